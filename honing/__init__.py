@@ -1,0 +1,7 @@
+"""honing: reinforcement learning from verifiable rewards for language models.
+
+The loop is generate -> score -> update; see DESIGN.md for the layers. Importing this
+package stays light: torch, transformers and tensorboard are imported where they are used.
+"""
+
+__version__ = "0.1.0"

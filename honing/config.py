@@ -1,0 +1,302 @@
+"""One typed config tree, resolved from defaults < YAML < environment < command line.
+
+Every field has a docstring-style comment; ``Field`` metadata carries the allowed choices or
+range so that validation can say exactly what is wrong. Bad input raises ``ConfigError`` with
+one line naming the key and what is allowed (the CLI turns it into exit status 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from honing.errors import ConfigError
+
+
+def _opt(
+    default: Any,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+) -> Any:
+    """A config field with validation metadata (choices, bounds)."""
+    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _opt("builtin:tiny")  # a local Hugging Face model directory, or builtin:tiny
+    dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
+    device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
+    cache_dir: str = _opt("")  # where builtin:tiny is built; default ~/.cache/honing
+    trust_remote_code: bool = _opt(False)
+    gradient_checkpointing: bool = _opt(False)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = _opt("arithmetic", choices=("arithmetic",))  # built-in task when no files
+    train_files: list = _opt([])  # JSONL / Parquet paths in verl's row schema
+    val_files: list = _opt([])
+    train_size: int = _opt(4000, ge=1)  # built-in task: number of training problems
+    val_size: int = _opt(200, ge=1)  # built-in task: held-out validation problems
+    max_digits: int = _opt(2, ge=1, le=9)  # built-in task: operand size
+    on_bad_row: str = _opt("error", choices=("error", "skip"))
+    shuffle: bool = _opt(True)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = _opt("transformers", choices=("transformers",))
+    batch_size: int = _opt(16, ge=1)  # prompts per step
+    group_size: int = _opt(8, ge=1)  # samples per prompt
+    max_new_tokens: int = _opt(8, ge=1)
+    max_seq_len: int = _opt(512, ge=2)  # prompt + response cap; longer prompts are an error
+    temperature: float = _opt(1.0, gt=0.0)
+    top_p: float = _opt(1.0, gt=0.0, le=1.0)
+    top_k: int = _opt(0, ge=0)  # 0 = off
+    val_samples: int = _opt(8, ge=1)  # k of val/pass@k, sampled at `temperature`
+    generation_batch: int = _opt(256, ge=1)  # sequences per generate call
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str = _opt("numeric")  # built-in name, package.module:function or file.py:function
+    format_weight: float = _opt(0.0)  # weight of the built-in format reward (0 = off)
+    on_error: str = _opt("error", choices=("error", "zero", "drop"))
+    endpoint: str = _opt("")  # URL of a verifier service (VERIFIER_ENDPOINT)
+    timeout_s: float = _opt(30.0, gt=0.0)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: str = _opt("grpo")
+    policy_loss: str = _opt("ppo_clip")
+    loss_agg: str = _opt("token_mean")
+    clip_ratio_low: float = _opt(0.2, ge=0.0, le=1.0)
+    clip_ratio_high: float = _opt(0.2, ge=0.0)
+    norm_adv_by_std: bool = _opt(True)
+    kl_coef: float = _opt(0.0, ge=0.0)  # 0 = no reference model is loaded
+    kl_estimator: str = _opt("k3", choices=("k1", "k2", "k3"))
+    entropy_coef: float = _opt(0.0, ge=0.0)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_steps: int = _opt(100, ge=1)
+    seed: int = _opt(0, ge=0)
+    lr: float = _opt(1e-5, gt=0.0)
+    weight_decay: float = _opt(0.0, ge=0.0)
+    betas: list = _opt([0.9, 0.999])
+    warmup_steps: int = _opt(0, ge=0)
+    lr_schedule: str = _opt("constant", choices=("constant", "cosine", "linear"))
+    min_lr_ratio: float = _opt(0.0, ge=0.0, le=1.0)
+    ppo_epochs: int = _opt(1, ge=1)
+    mini_batch_size: int = _opt(0, ge=0)  # prompts per optimizer step; 0 = the whole batch
+    micro_batch_size: int = _opt(64, ge=1)  # sequences per forward/backward
+    grad_clip: float = _opt(1.0, ge=0.0)  # 0 = no clipping
+    val_every: int = _opt(10, ge=0)  # 0 = only at start and end
+    val_at_start: bool = _opt(True)
+    threads: int = _opt(0, ge=0)  # torch CPU threads; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _opt(50, ge=0)  # 0 = only at the end
+    keep: int = _opt(2, ge=1)
+    save_optimizer: bool = _opt(True)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    console: bool = _opt(True)
+    tensorboard: bool = _opt(True)
+    log_samples: int = _opt(4, ge=0)  # generations per step written to samples.jsonl
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    mode: str = _opt("sync", choices=("sync",))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+# Section name -> its dataclass, for key lookups.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+# Deployment-guide environment variables and the keys they set.
+ENV_KEYS = {
+    "MODEL_PATH": "model.path",
+    "ROLLOUT_BATCH_SIZE": "rollout.batch_size",
+    "GROUP_SIZE": "rollout.group_size",
+    "MAX_SEQ_LEN": "rollout.max_seq_len",
+    "VERIFIER_ENDPOINT": "reward.endpoint",
+}
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``rollout.group_size``."""
+    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _suggest(key: str) -> str:
+    match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not match:  # try the last component alone: `group_size` -> rollout.group_size
+        leaf = {k.split(".")[-1]: k for k in all_keys()}
+        close = difflib.get_close_matches(key.split(".")[-1], list(leaf), n=1, cutoff=0.6)
+        match = [leaf[close[0]]] if close else []
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def _field(key: str) -> dataclasses.Field:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise ConfigError(f"unknown config key {key!r}{_suggest(key)}")
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {key!r}{_suggest(key)}")
+    return fields[name]
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list}
+
+
+def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
+    """Convert a YAML/env/CLI value to the field's type and check its choices and range."""
+    kind = _TYPES[f.type]
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                value = lowered in ("true", "1", "yes")
+            elif not isinstance(value, bool):
+                raise ValueError
+        elif kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            value = int(value)
+        elif kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        elif kind is list:
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip().startswith("[") else [value]
+            if not isinstance(value, list):
+                raise ValueError
+        elif kind is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            value = "" if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+    _check_range(key, f.metadata, value)
+    return value
+
+
+def _check_range(key: str, meta: Any, value: Any) -> None:
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(map(str, meta["choices"]))
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
+    bounds = [
+        ("ge", ">=", lambda a, b: a >= b),
+        ("gt", ">", lambda a, b: a > b),
+        ("le", "<=", lambda a, b: a <= b),
+    ]
+    for name, symbol, ok in bounds:
+        if meta.get(name) is not None and not ok(value, meta[name]):
+            raise ConfigError(f"{key}: {value!r} is out of range; must be {symbol} {meta[name]}")
+
+
+def _flatten(tree: Any, prefix: str = "", source: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(tree).__name__}")
+    flat = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if not prefix and isinstance(value, dict):
+            flat.update(_flatten(value, f"{key}.", source))
+        else:
+            flat[key] = value
+    return flat
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config into dotted keys; a missing or unreadable file is a ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f"{path}:{line + 1}" if line is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    return _flatten(tree, source=str(path))
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``section.key=value`` strings from the command line; values are parsed as YAML scalars."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"bad override {item!r}: expected section.key=value")
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    environ = os.environ if environ is None else environ
+    return {key: environ[var] for var, key in ENV_KEYS.items() if environ.get(var, "") != ""}
+
+
+def build_config(*layers: dict[str, Any]) -> Config:
+    """Apply dotted-key layers, later ones winning, onto the defaults; validate every value."""
+    values: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            f = _field(key)
+            section, _, name = key.partition(".")
+            values.setdefault(section, {})[name] = _coerce(key, f, value)
+    return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def resolve_config(
+    path: str | None, overrides: list[str], environ: dict[str, str] | None = None
+) -> Config:
+    """defaults < YAML file < deployment environment variables < command-line overrides."""
+    file_layer = load_yaml(path) if path else {}
+    return build_config(file_layer, env_overrides(environ), parse_overrides(overrides))
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

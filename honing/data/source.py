@@ -1,0 +1,97 @@
+"""An endless, resumable stream of prompt batches over a fixed list of prompts.
+
+Epoch ``e`` visits every prompt once, in an order shuffled by ``random.Random(f"{seed}:{e}")``
+(independent of any global random state). A batch that reaches the end of an epoch is
+filled from the start of the next one, so no prompt is dropped and every batch is full;
+``batch_size`` may exceed the number of prompts. The cursor (epoch, position) is all the
+state there is, so a source restored with ``load_state_dict`` yields exactly the batches
+the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from honing.errors import DataError
+from honing.types import Prompt
+
+
+class PromptSource:
+    """Serves batches of prompts, epoch after epoch.
+
+    Args:
+        prompts: the dataset; must not be empty.
+        batch_size: prompts per batch (``rollout.batch_size``).
+        seed: shuffling seed (``trainer.seed``).
+        shuffle: ``False`` keeps file order in every epoch.
+    """
+
+    def __init__(
+        self, prompts: list[Prompt], batch_size: int, *, seed: int, shuffle: bool = True
+    ) -> None:
+        if not prompts:
+            raise DataError("no prompts to train on; expected at least one row in data files")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._prompts = list(prompts)
+        self._batch_size = batch_size
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._order = self._epoch_order(0)
+
+    @property
+    def epoch(self) -> int:
+        """The 0-based epoch of the last prompt served (0 before the first batch)."""
+        return self._epoch
+
+    def next_batch(self) -> list[Prompt]:
+        """The next ``batch_size`` prompts, continuing into the next epoch when needed."""
+        batch: list[Prompt] = []
+        while len(batch) < self._batch_size:
+            if self._position == len(self._prompts):
+                self._start_epoch(self._epoch + 1, 0)
+            take = min(self._batch_size - len(batch), len(self._prompts) - self._position)
+            indices = self._order[self._position : self._position + take]
+            batch.extend(self._prompts[index] for index in indices)
+            self._position += take
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor, JSON-serialisable: ``{"epoch", "position", "num_prompts"}``."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_prompts": len(self._prompts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a cursor saved by ``state_dict``.
+
+        Raises:
+            DataError: the cursor was saved for a dataset of a different size, so resuming
+                would silently serve different prompts.
+        """
+        saved = state.get("num_prompts", len(self._prompts))
+        if saved != len(self._prompts):
+            raise DataError(
+                f"the checkpoint's data cursor was saved for {saved} prompts but the data "
+                f"files now give {len(self._prompts)}; expected the same data.train_files"
+            )
+        position = int(state["position"])
+        if not 0 <= position <= len(self._prompts):
+            raise DataError(f"the checkpoint's data cursor position {position} is out of range")
+        self._start_epoch(int(state["epoch"]), position)
+
+    def _start_epoch(self, epoch: int, position: int) -> None:
+        self._epoch = epoch
+        self._position = position
+        self._order = self._epoch_order(epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._prompts)))
+        if self._shuffle:
+            random.Random(f"{self._seed}:{epoch}").shuffle(order)
+        return order

@@ -1,0 +1,21 @@
+"""Errors a user can act on.
+
+Every ``UserError`` is printed by the CLI as one line (no traceback) and exits with status 2.
+Its message names the key, file or row at fault and says what is expected.
+"""
+
+
+class UserError(Exception):
+    """Bad configuration, data or input: the user can fix it from the message alone."""
+
+
+class ConfigError(UserError):
+    """A config key is unknown, or its value has the wrong type or range."""
+
+
+class DataError(UserError):
+    """A dataset file is missing or one of its rows is malformed."""
+
+
+class RewardError(UserError):
+    """A reward function cannot be loaded, or a score failed under the ``error`` policy."""

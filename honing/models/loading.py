@@ -1,0 +1,84 @@
+"""Load and save Hugging Face causal LMs from local directories (never from a hub)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from honing.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAD_TOKEN = "<|honing_pad|>"
+
+# Weights come from local directories only; make that explicit for every library underneath.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars or advisory warnings from transformers on the console."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without it is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device: cuda requested but torch sees no CUDA device; use cpu")
+    return torch.device(name)
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model.path: {path} is not a Hugging Face model directory (no config.json); "
+            "give a local directory or builtin:tiny"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+    """The model's tokenizer, with a pad token distinct from EOS (added if it has none)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"model.path: the tokenizer in {path} has no EOS token")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # A pad equal to EOS invites masks that hide the final EOS from the loss.
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str | Path,
+    tokenizer,
+    *,
+    dtype: str,
+    device: torch.device,
+    trust_remote_code: bool = False,
+):
+    """Load a causal LM for training; grow its embeddings if the tokenizer gained a pad token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device)
+
+
+def save_model(model, tokenizer, directory: str | Path) -> None:
+    """Write ``model`` and ``tokenizer`` in Hugging Face format (safetensors)."""
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)

@@ -1,0 +1,166 @@
+"""The embedded tiny model: built locally, offline, in standard Hugging Face format.
+
+A character-level tokenizer (printable ASCII, one token per character, ``<pad>`` distinct from
+``<eos>``) and a ~0.9M-parameter Llama are created from a seed, then given a short supervised
+warm start on (prompt, completion) pairs supplied by the caller, so that RL has something to
+improve. The result is an ordinary model directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``) that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+
+The directory is cached under a key derived from every build setting and the corpus, so a
+second build with the same inputs is a no-op. It is written to a temporary name and renamed,
+so an interrupted build is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Architecture and warm-start settings of the embedded model."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 64
+    warmstart_steps: int = 1500
+    warmstart_batch: int = 128
+    warmstart_lr: float = 3e-3
+    seed: int = 0
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer over printable ASCII with pad != eos."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, EOS, BOS, UNK]
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _new_model(spec: TinySpec, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config)
+
+
+def _encode_pairs(tokenizer, corpus: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and a loss mask that covers only the completion and its EOS."""
+    rows, masks = [], []
+    for prompt, completion in corpus:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        completion_ids = tokenizer.encode(completion, add_special_tokens=False)
+        rows.append(prompt_ids + completion_ids + [tokenizer.eos_token_id])
+        masks.append([0] * len(prompt_ids) + [1] * (len(completion_ids) + 1))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, loss_mask
+
+
+def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) -> list[float]:
+    """Supervised fine-tuning on the completions only; returns the loss every 100 steps."""
+    ids, loss_mask = _encode_pairs(tokenizer, corpus)  # [N, T]
+    attention = (ids != tokenizer.pad_token_id).long()
+    generator = torch.Generator().manual_seed(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=spec.warmstart_lr, total_steps=spec.warmstart_steps, pct_start=0.1
+    )
+    model.train()
+    losses = []
+    for step in range(spec.warmstart_steps):
+        index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
+        batch, mask = ids[index], loss_mask[index]
+        logits = model(input_ids=batch, attention_mask=attention[index]).logits  # [B, T, V]
+        # Token t predicts token t+1: shift so each target lines up with its logits.
+        token_loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+        ).view(batch.shape[0], -1)
+        loss = (token_loss * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == spec.warmstart_steps - 1:
+            losses.append(round(loss.item(), 4))
+    model.eval()
+    return losses
+
+
+def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
+    digest = hashlib.sha256(json.dumps([asdict(spec), corpus]).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_tiny_model(
+    cache_dir: str | Path, corpus: list[tuple[str, str]], spec: TinySpec = TinySpec(), log=print
+) -> Path:
+    """Return the directory of the warm-started tiny model, building it if not cached."""
+    target = Path(cache_dir) / f"tiny-{cache_key(spec, corpus)}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    tokenizer = build_tokenizer()
+    model = _new_model(spec, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"building the tiny model ({n_params / 1e6:.2f}M parameters) with a warm start ...")
+    losses = warm_start(model, tokenizer, corpus, spec)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"spec": asdict(spec), "corpus_size": len(corpus), "warmstart_losses": losses}
+        (tmp / "honing_tiny.json").write_text(json.dumps(info, indent=1))
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"tiny model ready in {time.perf_counter() - started:.0f}s: {target}")
+    return target

@@ -1,0 +1,236 @@
+"""Metric sinks: where one step's metrics go (JSONL file, TensorBoard event files).
+
+A sink receives ``(step, {name: value})`` once per training step. Sinks are composed by
+``RunLogger``; each one owns one destination and flushes on every write, so a crash of the
+training process loses nothing already logged. Machine crashes (power loss) can still lose
+the last writes: files are flushed to the OS, not fsync-ed, except when rewritten by
+``truncate_jsonl``.
+
+TensorBoard is imported inside ``TensorBoardSink`` only, so ``import honing.monitor`` stays
+light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class MetricSink(Protocol):
+    """Destination for per-step metrics."""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Records the metrics of one training step."""
+        ...
+
+    def close(self) -> None:
+        """Flushes and releases the destination; no write may follow."""
+        ...
+
+
+def json_safe(value: Any) -> Any:
+    """Returns ``value`` in a form ``json.dumps(..., allow_nan=False)`` accepts.
+
+    Non-finite floats become ``None`` (JSON has no NaN); tuples become lists; scalars of
+    array libraries (anything with ``.item()``) become Python numbers; other unknown objects
+    become their ``str``. Keys of mappings become strings.
+
+    Args:
+        value: A metric value, sample or event field, possibly nested.
+
+    Returns:
+        A structure of dicts, lists, str, int, float, bool and None.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if hasattr(value, "item"):
+        try:
+            return json_safe(value.item())
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def to_json_line(record: Mapping[str, Any]) -> str:
+    """Serialises one record as a single JSONL line, newline included."""
+    return json.dumps(json_safe(record), allow_nan=False, ensure_ascii=False) + "\n"
+
+
+def truncate_jsonl(path: str | Path, step: int) -> int:
+    """Drops the lines of a JSONL file whose ``"step"`` is greater than ``step``.
+
+    Used when a run resumes from a checkpoint older than its last logged step, so the file
+    never holds a step twice. Lines without a ``"step"`` field are kept; lines that are not
+    valid JSON (the torn last line of a crash) are dropped. The file is rewritten through a
+    temporary file in the same directory, fsync-ed and ``os.replace``-d, so a crash leaves
+    either the old or the new file, never a mix.
+
+    Args:
+        path: The JSONL file; a missing file is left missing.
+        step: The last step to keep.
+
+    Returns:
+        The number of lines dropped.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    with path.open(encoding="utf-8") as source:
+        for line in source:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            line_step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(line_step, (int, float)) and line_step > step:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    descriptor, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as target:
+            target.writelines(kept)
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return dropped
+
+
+class JsonlSink:
+    """Appends one JSON object per line to a file (``metrics.jsonl`` and friends).
+
+    Opening an existing file appends to it; if its last line was torn by a crash (no final
+    newline), a newline is added first so the next record starts on its own line.
+
+    Args:
+        path: The file; its parent directory is created if missing.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self._open()
+
+    def _open(self) -> Any:
+        needs_newline = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open("rb") as existing:
+                existing.seek(-1, os.SEEK_END)
+                needs_newline = existing.read(1) != b"\n"
+        handle = self.path.open("a", encoding="utf-8")
+        if needs_newline:
+            handle.write("\n")
+            handle.flush()
+        return handle
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Appends ``{"step": step, **metrics, "time": unix_time}``; flushes.
+
+        ``step`` and ``time`` take precedence over metrics of the same name.
+        """
+        record: dict[str, Any] = {"step": step}
+        record.update(metrics)
+        record["step"] = step
+        record["time"] = time.time()
+        self.append([record])
+
+    def append(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Appends records as they are (non-finite floats become null); flushes."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: sink is closed")
+        self._file.writelines(to_json_line(record) for record in records)
+        self._file.flush()
+
+    def truncate_after(self, step: int) -> int:
+        """Drops lines with a step greater than ``step`` (see ``truncate_jsonl``).
+
+        Returns:
+            The number of lines dropped.
+        """
+        was_open = self._file is not None
+        self.close()
+        dropped = truncate_jsonl(self.path, step)
+        if was_open:
+            self._file = self._open()
+        return dropped
+
+    def close(self) -> None:
+        """Closes the file; further writes raise ``ValueError``."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardSink:
+    """Writes each metric as a TensorBoard scalar, with TensorBoard's own event writer.
+
+    One event per step carries one scalar value per metric name. NaN and infinities are
+    written as they are (TensorBoard plots them as such). Values that are not numbers are
+    skipped.
+
+    Args:
+        log_dir: Directory for the ``events.out.tfevents.*`` files; created if missing. A
+            resumed run adds a new event file next to the old ones.
+    """
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer: Any = EventFileWriter(str(self.log_dir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Adds one event holding all numeric metrics at ``step``; flushes."""
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = []
+        for name, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            values.append(Summary.Value(tag=name, simple_value=number))
+        event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+        self._writer.add_event(event)
+        self._writer.flush()
+
+    def mark_restart(self, step: int) -> None:
+        """Records a restart after ``step``: TensorBoard hides older data at later steps.
+
+        Writes a ``SessionLog.START`` event at ``step + 1``; TensorBoard's loader then purges
+        previously written events with a step greater than ``step``, matching
+        ``truncate_jsonl`` on the JSONL files.
+        """
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        event = Event(
+            wall_time=time.time(), step=step + 1, session_log=SessionLog(status=SessionLog.START)
+        )
+        self._writer.add_event(event)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self._writer.close()

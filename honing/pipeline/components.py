@@ -1,0 +1,237 @@
+"""Build every part of a run from the config: model, data, engine, scorer, optimizer.
+
+This is the one place that reads the config tree and hands plain values to the layers below.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from honing.config import Config
+from honing.data import (
+    PromptSource,
+    arithmetic_prompts,
+    load_prompts,
+    render_prompt,
+    warmstart_corpus,
+)
+from honing.errors import ConfigError, DataError
+from honing.models.loading import (
+    check_model_dir,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+)
+from honing.models.tiny import TinySpec, build_tiny_model
+from honing.rewards import Scorer, format_reward, load_reward_fn
+from honing.rollout.base import SamplingParams
+from honing.rollout.transformers_engine import TransformersEngine
+from honing.trainer.optim import build_optimizer
+from honing.trainer.update import UpdateSettings
+from honing.types import Prompt
+
+BUILTIN_TINY = "builtin:tiny"
+# The embedded model's warm start: problems, operand size and the teacher's carry-slip rate.
+TINY_CORPUS_SIZE = 20000
+TINY_MAX_DIGITS = 2
+TINY_SLIP_RATE = 0.6
+
+
+@dataclass
+class Components:
+    """Everything the loop needs, built once per run."""
+
+    model_path: Path
+    device: torch.device
+    tokenizer: object
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    engine: TransformersEngine
+    scorer: Scorer
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    prompt_ids: dict[str, list[int]]  # rendered and tokenized, by prompt id
+    rendered: dict[str, str]
+    source: PromptSource
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    update: UpdateSettings
+    train_sampling: SamplingParams
+    skipped_rows: int
+
+
+def cache_dir(config: Config) -> Path:
+    if config.model.cache_dir:
+        return Path(config.model.cache_dir).expanduser()
+    return Path(os.environ.get("HONING_CACHE", "~/.cache/honing")).expanduser()
+
+
+def resolve_model_path(config: Config, log=print) -> Path:
+    """A local model directory; ``builtin:tiny`` is built (or found in the cache) first."""
+    if config.model.path == BUILTIN_TINY:
+        return builtin_tiny_model(cache_dir(config), log=log)
+    if not config.model.path:
+        raise ConfigError("model.path is empty; give a local model directory or builtin:tiny")
+    return check_model_dir(config.model.path)
+
+
+def builtin_tiny_model(directory: Path, log=print) -> Path:
+    """The embedded model, warm-started on the arithmetic task's sloppy-teacher corpus.
+
+    The warm start uses training pairs only; held-out validation pairs never appear in it.
+    """
+    corpus = warmstart_corpus(
+        TINY_CORPUS_SIZE, seed=0, max_digits=TINY_MAX_DIGITS, slip_rate=TINY_SLIP_RATE
+    )
+    return build_tiny_model(directory, corpus, TinySpec(), log=log)
+
+
+def load_datasets(config: Config) -> tuple[list[Prompt], list[Prompt], int]:
+    """Training and validation prompts, from files when given, else the built-in task."""
+    data = config.data
+    if data.train_files:
+        train, skipped = load_prompts(data.train_files, on_bad_row=data.on_bad_row)
+        val, skipped_val = load_prompts(data.val_files, on_bad_row=data.on_bad_row)
+        return train, val, skipped + skipped_val
+    if data.val_files:
+        raise ConfigError("data.val_files is set but data.train_files is empty; set both")
+    seed = config.trainer.seed
+    train = arithmetic_prompts("train", data.train_size, seed, data.max_digits)
+    val = arithmetic_prompts("val", data.val_size, seed, data.max_digits)
+    return train, val, 0
+
+
+def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
+    """Render (chat template when the tokenizer has one) and tokenize each distinct prompt."""
+    rendered, ids = {}, {}
+    special = not getattr(tokenizer, "chat_template", None)  # templates carry their own
+    for prompt in prompts:
+        if prompt.id in ids:
+            continue
+        rendered[prompt.id] = render_prompt(prompt, tokenizer)
+        ids[prompt.id] = tokenizer.encode(rendered[prompt.id], add_special_tokens=special)
+        if len(ids[prompt.id]) >= max_seq_len:
+            raise DataError(
+                f"prompt {prompt.id} has {len(ids[prompt.id])} tokens, not less than "
+                f"rollout.max_seq_len={max_seq_len}; raise it or shorten the prompt"
+            )
+    return rendered, ids
+
+
+def build_scorer(config: Config) -> Scorer:
+    if config.reward.endpoint:
+        from honing.rewards.remote import remote_reward_fn
+
+        reward_fn = remote_reward_fn(config.reward.endpoint, timeout_s=config.reward.timeout_s)
+    else:
+        reward_fn = load_reward_fn(config.reward.function)
+    format_fn = format_reward if config.reward.format_weight else None
+    return Scorer(
+        reward_fn,
+        format_fn=format_fn,
+        format_weight=config.reward.format_weight,
+        on_error=config.reward.on_error,
+    )
+
+
+def update_settings(config: Config) -> UpdateSettings:
+    algo, trainer = config.algorithm, config.trainer
+    return UpdateSettings(
+        policy_loss=algo.policy_loss,
+        loss_agg=algo.loss_agg,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef,
+        ppo_epochs=trainer.ppo_epochs,
+        mini_batch_sequences=trainer.mini_batch_size * config.rollout.group_size,
+        micro_batch_size=trainer.micro_batch_size,
+        grad_clip=trainer.grad_clip,
+        temperature=config.rollout.temperature,
+    )
+
+
+def check_names(config: Config) -> None:
+    """Registry names in the config exist (a clear error before anything heavy loads)."""
+    from honing.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+
+    for key, value, registry in (
+        ("algorithm.advantage", config.algorithm.advantage, ADVANTAGE_ESTIMATORS),
+        ("algorithm.policy_loss", config.algorithm.policy_loss, POLICY_LOSSES),
+        ("algorithm.loss_agg", config.algorithm.loss_agg, LOSS_AGGREGATIONS),
+    ):
+        if value not in registry:
+            raise ConfigError(
+                f"{key}: {value!r} is not known; choose one of: {', '.join(sorted(registry))}"
+            )
+
+
+def build_components(config: Config, log=print) -> Components:
+    check_names(config)
+    scorer = build_scorer(config)
+    train, val, skipped = load_datasets(config)
+    device = resolve_device(config.model.device)
+    model_path = resolve_model_path(config, log=log)
+    m = config.model
+    tokenizer = load_tokenizer(model_path, trust_remote_code=m.trust_remote_code)
+    policy = load_causal_lm(
+        model_path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
+    )
+    if m.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    reference = None
+    if config.algorithm.kl_coef > 0:
+        reference = load_causal_lm(
+            model_path,
+            tokenizer,
+            dtype=m.dtype,
+            device=device,
+            trust_remote_code=m.trust_remote_code,
+        ).eval()
+        reference.requires_grad_(False)
+    rollout = config.rollout
+    rendered, prompt_ids = tokenize_prompts(train + val, tokenizer, rollout.max_seq_len)
+    t = config.trainer
+    optimizer, scheduler = build_optimizer(
+        policy,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=t.betas,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.total_steps,
+        schedule=t.lr_schedule,
+        min_ratio=t.min_lr_ratio,
+    )
+    return Components(
+        model_path=model_path,
+        device=device,
+        tokenizer=tokenizer,
+        policy=policy,
+        reference=reference,
+        engine=TransformersEngine(
+            policy, tokenizer, device=device, generation_batch=rollout.generation_batch
+        ),
+        scorer=scorer,
+        train_prompts=train,
+        val_prompts=val,
+        prompt_ids=prompt_ids,
+        rendered=rendered,
+        source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        update=update_settings(config),
+        train_sampling=SamplingParams(
+            n=rollout.group_size,
+            max_new_tokens=rollout.max_new_tokens,
+            max_seq_len=rollout.max_seq_len,
+            temperature=rollout.temperature,
+            top_k=rollout.top_k,
+            top_p=rollout.top_p,
+        ),
+        skipped_rows=skipped,
+    )

@@ -1,0 +1,227 @@
+"""The synchronous loop: generate -> score -> update, one step after another.
+
+Per step: take a batch of prompts, sample ``group_size`` completions each, score them,
+compute advantages, update the policy (which the in-process engine shares), log, and
+validate / checkpoint on schedule. Every generated sample is accounted for:
+generated = trained + failed (dropped by ``reward.on_error=drop``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from honing.algorithms import get_advantage
+from honing.checkpoint import CheckpointManager
+from honing.config import Config
+from honing.monitor import RunLogger
+from honing.pipeline.components import Components
+from honing.pipeline.evaluate import validate
+from honing.pipeline.state import save_training_state
+from honing.rollout.base import GenerationRequest
+from honing.trainer.batch import collate, response_logprobs
+from honing.trainer.update import update_policy
+from honing.types import Rollout, Score
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Sampling seed of a step: independent of history, so resumed runs replay exactly."""
+    return (seed * 1_000_003 + step * 7919) % (2**63)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    first_step: int
+    last_step: int
+    val_history: list[tuple[int, float, dict]] = field(default_factory=list)  # step, time, m
+
+
+class SyncLoop:
+    """Runs steps ``start+1 .. total_steps`` of one run."""
+
+    def __init__(
+        self,
+        config: Config,
+        parts: Components,
+        logger: RunLogger,
+        checkpoints: CheckpointManager,
+        run_dir: Path,
+    ):
+        self.config = config
+        self.parts = parts
+        self.logger = logger
+        self.checkpoints = checkpoints
+        self.run_dir = run_dir
+        self.advantage_fn = get_advantage(config.algorithm.advantage)
+
+    def run(self, start_step: int) -> RunResult:
+        cfg = self.config.trainer
+        result = RunResult(self.run_dir, start_step, start_step)
+        started = time.perf_counter()
+        if start_step == 0 and cfg.val_at_start:
+            self._validate(0, result, started)
+        for step in range(start_step + 1, cfg.total_steps + 1):
+            metrics = self.train_step(step)
+            last = step == cfg.total_steps
+            if last or (cfg.val_every and step % cfg.val_every == 0):
+                metrics.update(self._validate(step, result, started, log=False))
+            self.logger.log_metrics(step, metrics)
+            every = self.config.checkpoint.every
+            if last or (every and step % every == 0):
+                save_training_state(
+                    self.checkpoints,
+                    self.parts,
+                    step,
+                    seed=cfg.seed,
+                    save_optimizer=self.config.checkpoint.save_optimizer,
+                )
+            result.last_step = step
+        return result
+
+    def _validate(self, step: int, result: RunResult, started: float, log: bool = True):
+        parts, rollout = self.parts, self.config.rollout
+        sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
+        metrics = validate(
+            parts.engine,
+            parts.scorer,
+            parts.val_prompts,
+            parts.prompt_ids,
+            parts.rendered,
+            sampling,
+            rollout.val_samples,
+        )
+        result.val_history.append((step, time.perf_counter() - started, metrics))
+        if log:
+            self.logger.log_metrics(step, metrics)
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        parts, cfg = self.parts, self.config
+        t0 = time.perf_counter()
+        prompts = parts.source.next_batch()
+        requests = [
+            GenerationRequest(p.id, parts.prompt_ids[p.id], i) for i, p in enumerate(prompts)
+        ]
+        sampling = replace(parts.train_sampling, seed=step_seed(cfg.trainer.seed, step))
+        rollouts = parts.engine.generate(requests, sampling)
+        t_gen = time.perf_counter()
+        scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
+        t_reward = time.perf_counter()
+        kept = [
+            (r, s)
+            for r, s in zip(rollouts, scores, strict=True)
+            if s.ok or cfg.reward.on_error != "drop"
+        ]
+        metrics = self._rollout_metrics(rollouts, scores, len(kept))
+        if not kept:
+            self.logger.log_event("skipped_step", step=step, reason="every sample failed scoring")
+            return metrics | {"timing_s/step": time.perf_counter() - t0}
+        metrics |= self._update(step, [r for r, _ in kept], [s.reward for _, s in kept])
+        parts.scheduler.step()
+        parts.engine.load_weights(step)
+        t_end = time.perf_counter()
+        tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        metrics |= {
+            "timing_s/gen": t_gen - t0,
+            "timing_s/reward": t_reward - t_gen,
+            "timing_s/step": t_end - t0,
+            "perf/throughput": tokens / (t_end - t0),
+        }
+        self._log_samples(step, rollouts, scores)
+        return metrics
+
+    def _update(self, step: int, rollouts: list[Rollout], rewards: list[float]) -> dict:
+        parts, settings = self.parts, self.parts.update
+        t0 = time.perf_counter()
+        batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
+        scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
+        group_ids = torch.tensor([r.group_index for r in rollouts], device=parts.device)
+        algo = self.config.algorithm
+        advantages, _ = self.advantage_fn(
+            scores, batch.response_mask, group_ids, norm_by_std=algo.norm_adv_by_std
+        )  # [N, R]
+        metrics = {"critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum())}
+        ref_logprobs = old_logprobs = None
+        with torch.no_grad():
+            if parts.reference is not None:
+                t_ref = time.perf_counter()
+                ref_logprobs, _ = response_logprobs(
+                    parts.reference, batch, temperature=settings.temperature
+                )
+                metrics["timing_s/ref"] = time.perf_counter() - t_ref
+            if settings.optimizer_steps_per_batch(len(batch)) > 1:
+                # Several optimizer steps per batch: freeze the pre-update policy's logprobs.
+                old_logprobs, _ = response_logprobs(
+                    parts.policy, batch, temperature=settings.temperature
+                )
+        t_update = time.perf_counter()
+        generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
+        metrics |= update_policy(
+            parts.policy,
+            parts.optimizer,
+            batch,
+            advantages,
+            settings,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            generator=generator,
+        )
+        metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
+        metrics["timing_s/update"] = time.perf_counter() - t_update
+        metrics["timing_s/prepare"] = t_update - t0
+        return metrics
+
+    def _rollout_metrics(self, rollouts: list[Rollout], scores: list[Score], kept: int) -> dict:
+        rewards = [s.reward for s in scores if s.ok]
+        lengths = [len(r.response_ids) for r in rollouts]
+        latencies = self.parts.scorer.last_latencies_ms
+        failed = sum(not s.ok for s in scores)
+        metrics = {
+            "response_length/mean": statistics.fmean(lengths),
+            "response_length/max": max(lengths),
+            "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts)
+            / len(rollouts),
+            "samples/generated": len(rollouts),
+            "samples/trained": kept,
+            "samples/failed": failed,
+            "reward/latency_p99_ms": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
+        }
+        if rewards:
+            metrics |= {
+                "critic/score/mean": statistics.fmean(rewards),
+                "critic/score/max": max(rewards),
+                "critic/score/min": min(rewards),
+            }
+        # The invariant of DESIGN.md: every generated sample is trained, or failed with a reason.
+        dropped = len(rollouts) - kept
+        assert dropped == (failed if self.config.reward.on_error == "drop" else 0)
+        return metrics
+
+    def _log_samples(self, step: int, rollouts: list[Rollout], scores: list[Score]) -> None:
+        count = self.config.monitor.log_samples
+        if not count:
+            return
+        stride = max(1, len(rollouts) // count)
+        picked = list(range(0, len(rollouts), stride))[:count]
+        self.logger.log_samples(
+            step,
+            [
+                {
+                    "prompt": self.parts.rendered[rollouts[i].prompt_id],
+                    "response": rollouts[i].text,
+                    "reward": scores[i].reward,
+                    "finish_reason": rollouts[i].finish_reason,
+                    **{
+                        k: v
+                        for k, v in scores[i].details.items()
+                        if k in ("extracted", "verdict", "error")
+                    },
+                }
+                for i in picked
+            ],
+        )

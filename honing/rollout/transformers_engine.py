@@ -1,0 +1,167 @@
+"""In-process rollout engine on a transformers causal LM, with its own sampling loop.
+
+The loop (prefill, then one token at a time with the model's KV cache) is written here rather
+than calling ``model.generate`` so that the logprob of each sampled token is taken from exactly
+the distribution it was sampled from (after temperature, top-k and top-p) and so that one
+``torch.Generator`` per call makes a step's samples independent of anything run before it.
+The engine shares the policy module with the trainer: new weights need no copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.types import Rollout
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf. ``logits``: [B, V]."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+class TransformersEngine:
+    """Batched sampling from a Hugging Face causal LM held in this process."""
+
+    def __init__(self, model, tokenizer, *, device: torch.device, generation_batch: int = 256):
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ValueError("the tokenizer needs a pad token distinct from eos")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.generation_batch = generation_batch
+        self.weight_version = 0
+        # transformers 5.x calls the KV cache argument `cache`; 4.x called it `past_key_values`.
+        forward_args = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+
+    def load_weights(self, version: int, state_dict: dict | None = None) -> None:
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict)
+        self.weight_version = version
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        too_long = [r for r in requests if len(r.prompt_ids) >= params.max_seq_len]
+        if too_long:
+            r = too_long[0]
+            raise ValueError(
+                f"prompt {r.prompt_id} has {len(r.prompt_ids)} tokens; rollout.max_seq_len is "
+                f"{params.max_seq_len} (raise it or shorten the prompt)"
+            )
+        flat = [r for r in requests for _ in range(params.n)]
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        rollouts: list[Rollout] = []
+        for start in range(0, len(flat), self.generation_batch):
+            rollouts += self._generate_chunk(
+                flat[start : start + self.generation_batch], params, generator
+            )
+        return rollouts
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self, chunk: list[GenerationRequest], params: SamplingParams, generator: torch.Generator
+    ) -> list[Rollout]:
+        started = time.perf_counter()
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        ids, mask = _left_pad([r.prompt_ids for r in chunk], pad)
+        ids, mask = ids.to(self.device), mask.to(self.device)  # [B, P]
+        budget = torch.tensor(
+            [min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids)) for r in chunk],
+            device=self.device,
+        )  # [B]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, logits = out.get(self._cache_arg), out.logits[:, -1, :]  # [B, V]
+        tokens, logprobs = [], []
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
+        for t in range(int(budget.max())):
+            token, logprob = self._sample(logits.float(), params, generator)  # [B], [B]
+            token = torch.where(done, torch.full_like(token, pad), token)
+            tokens.append(token)
+            logprobs.append(logprob)
+            done = done | (token == eos) | (t + 1 >= budget)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
+            cache, logits = out.get(self._cache_arg), out.logits[:, -1, :]
+        self.model.train(was_training)
+        seconds = time.perf_counter() - started
+        return self._to_rollouts(
+            chunk,
+            torch.stack(tokens, 1).tolist(),
+            torch.stack(logprobs, 1).tolist(),
+            budget.tolist(),
+            seconds,
+        )
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if params.greedy:
+            token = logits.argmax(dim=-1)
+            return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+        logp = logits.log_softmax(dim=-1)  # [B, V]: the distribution actually sampled from
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def _to_rollouts(self, chunk, token_rows, logprob_rows, budgets, seconds) -> list[Rollout]:
+        eos = self.tokenizer.eos_token_id
+        rollouts = []
+        for request, row, logps, budget in zip(
+            chunk, token_rows, logprob_rows, budgets, strict=True
+        ):
+            row = row[:budget]  # later columns are padding from rows still generating
+            if eos in row:
+                end, reason = row.index(eos) + 1, "stop"
+            else:
+                end, reason = len(row), "length"
+            response = row[:end]
+            rollouts.append(
+                Rollout(
+                    prompt_id=request.prompt_id,
+                    group_index=request.group_index,
+                    prompt_ids=list(request.prompt_ids),
+                    response_ids=response,
+                    behaviour_logprobs=logps[:end],
+                    finish_reason=reason,
+                    weight_version=self.weight_version,
+                    text=self.tokenizer.decode(response, skip_special_tokens=True),
+                    gen_seconds=seconds,
+                )
+            )
+        return rollouts

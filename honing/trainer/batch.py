@@ -1,0 +1,117 @@
+"""Scored rollouts -> padded tensors, and the policy's logprobs / entropy on them.
+
+Layout (as in verl): prompts left-padded to width P, responses right-padded to width R, so
+response token r of every row sits at column P + r and is predicted by the logits at P + r - 1.
+Masks come from lengths, never from token identity: a pad id equal to some real token (or to
+EOS) cannot hide a token from the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from honing.algorithms import entropy_from_logits, logprobs_from_logits
+from honing.types import Rollout
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors of one step's rollouts (B sequences).
+
+    Attributes:
+        input_ids: [B, P + R] prompt (left-padded) then response (right-padded).
+        attention_mask: [B, P + R] 1 on real tokens.
+        position_ids: [B, P + R] positions counted from each row's first real token.
+        responses: [B, R] response token ids.
+        response_mask: [B, R] 1 on real response tokens (including the final EOS).
+        behaviour_logprobs: [B, R] the engine's sampling logprobs.
+        prompt_width: P.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    prompt_width: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> TrainBatch:
+        """Rows ``index``, trimmed to the longest response among them (less padding to run)."""
+        width = max(int(self.response_mask[index].sum(-1).max()), 1)
+        cut = self.prompt_width + width
+        return TrainBatch(
+            self.input_ids[index, :cut],
+            self.attention_mask[index, :cut],
+            self.position_ids[index, :cut],
+            self.responses[index, :width],
+            self.response_mask[index, :width],
+            self.behaviour_logprobs[index, :width],
+            self.prompt_width,
+        )
+
+
+def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> TrainBatch:
+    """Pack rollouts into a ``TrainBatch`` on ``device``."""
+    width_p = max(len(r.prompt_ids) for r in rollouts)
+    width_r = max(max(len(r.response_ids) for r in rollouts), 1)
+    size = len(rollouts)
+    input_ids = torch.full((size, width_p + width_r), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, width_p + width_r), dtype=torch.long)
+    behaviour = torch.zeros((size, width_r), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, width_p - p : width_p] = torch.tensor(r.prompt_ids)
+        input_ids[i, width_p : width_p + n] = torch.tensor(r.response_ids, dtype=torch.long)
+        attention[i, width_p - p : width_p + n] = 1
+        behaviour[i, :n] = torch.tensor(r.behaviour_logprobs)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    batch = TrainBatch(
+        input_ids,
+        attention,
+        positions,
+        input_ids[:, width_p:],
+        attention[:, width_p:].float(),
+        behaviour,
+        width_p,
+    )
+    return TrainBatch(
+        *(t.to(device) for t in vars(batch).values() if torch.is_tensor(t)), prompt_width=width_p
+    )
+
+
+def response_logprobs(
+    model,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob (and entropy) of each response token under ``model``: [B, R] each.
+
+    Logits are divided by the sampling temperature so that the trained distribution is the one
+    the engine sampled from (as verl does). The entropy carries a gradient only when
+    ``entropy_grad`` (an entropy bonus); as a metric it is computed on detached logits.
+    """
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).logits
+    width = batch.responses.shape[1]
+    # Column P + r - 1 predicts response token r.
+    logits = logits[:, batch.prompt_width - 1 : batch.prompt_width - 1 + width].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = logprobs_from_logits(logits, batch.responses)  # [B, R]
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logprobs, entropy

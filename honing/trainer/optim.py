@@ -1,0 +1,52 @@
+"""AdamW and its learning-rate schedule: linear warmup, then constant, cosine or linear decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
+) -> float:
+    """Multiplier of the base learning rate at trainer step ``step`` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def build_optimizer(
+    model,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    min_ratio: float,
+):
+    """AdamW over the trainable parameters, with a per-trainer-step LambdaLR schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            schedule=schedule,
+            min_ratio=min_ratio,
+        ),
+    )
+    return optimizer, scheduler

@@ -1,0 +1,156 @@
+"""The policy update: PPO epochs over mini-batches, each accumulated over micro-batches.
+
+Every micro-batch loss is normalised by its *mini-batch's* token and sequence counts, so the
+gradient accumulated over any split into micro-batches equals the mini-batch's gradient
+(tests/trainer/test_update.py proves it). Metrics stay tensors until the end of the update:
+one host sync per step, not one per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
+from honing.trainer.batch import TrainBatch, response_logprobs
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Plain numbers and names for one update (taken from the config by the caller)."""
+
+    policy_loss: str = "ppo_clip"
+    loss_agg: str = "token_mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    mini_batch_sequences: int = 0  # 0 = the whole batch in one optimizer step
+    micro_batch_size: int = 64
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+
+    def optimizer_steps_per_batch(self, batch_size: int) -> int:
+        per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
+        return self.ppo_epochs * per_epoch
+
+
+def mini_batches(size: int, settings: UpdateSettings, generator: torch.Generator):
+    """Yield index tensors: per epoch, a seeded shuffle cut into mini-batches."""
+    mini = settings.mini_batch_sequences or size
+    for _ in range(settings.ppo_epochs):
+        order = torch.randperm(size, generator=generator) if mini < size else torch.arange(size)
+        yield from torch.split(order, mini)
+
+
+def micro_step(
+    model,
+    micro: TrainBatch,
+    advantages,
+    old_logprobs,
+    ref_logprobs,
+    counts: tuple,
+    settings: UpdateSettings,
+) -> dict[str, torch.Tensor]:
+    """Forward + backward of one micro-batch; returns its (detached) metric contributions."""
+    num_tokens, num_seqs = counts
+    logprobs, entropy = response_logprobs(
+        model,
+        micro,
+        temperature=settings.temperature,
+        with_entropy=True,
+        entropy_grad=settings.entropy_coef > 0,
+    )  # [b, R]
+    # On-policy (one optimizer step per batch): the old policy is the current one, ratio = 1.
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    mask = micro.response_mask
+    loss, metrics = get_policy_loss(settings.policy_loss)(
+        logprobs,
+        old,
+        advantages,
+        mask,
+        clip_ratio_low=settings.clip_ratio_low,
+        clip_ratio_high=settings.clip_ratio_high,
+        loss_agg=settings.loss_agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
+    share = mask.sum() / num_tokens  # this micro-batch's part of the mini-batch's tokens
+    out = {k: v * share for k, v in metrics.items() if k != "actor/pg_loss"}
+    out["actor/pg_loss"] = metrics["actor/pg_loss"]
+    out["actor/entropy"] = masked_mean(entropy.detach(), mask) * share
+    if settings.kl_coef > 0:
+        # KL to the frozen reference as a loss term (k3: http://joschu.net/blog/kl-approx.html).
+        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)  # [b, R]
+        kl_loss = aggregate_loss(
+            kl, mask, settings.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs
+        )
+        loss = loss + settings.kl_coef * kl_loss
+        out["actor/kl_loss"] = kl_loss.detach()
+    if settings.entropy_coef > 0:  # entropy bonus: subtracting it rewards exploration
+        loss = loss - settings.entropy_coef * aggregate_loss(
+            entropy, mask, settings.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs
+        )
+    loss.backward()
+    return out
+
+
+def _rows(index: torch.Tensor, width: int):
+    """Select ``index`` rows of a [B, R] tensor, trimmed to the micro-batch's width."""
+    return lambda t: None if t is None else t[index, :width]
+
+
+def update_policy(
+    model,
+    optimizer,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    settings: UpdateSettings,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Run the PPO epochs on ``batch``; returns the step's actor metrics as floats.
+
+    ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are [B, R] aligned with
+    ``batch.responses``. ``old_logprobs`` may be None only for one optimizer step per batch.
+    """
+    generator = generator or torch.Generator().manual_seed(0)
+    model.train()
+    totals: dict[str, torch.Tensor] = {}
+    grad_norms = []
+    optimizer_steps = 0
+    for index in mini_batches(len(batch), settings, generator):
+        num_tokens = batch.response_mask[index].sum().clamp(min=1)
+        counts = (num_tokens, float(len(index)))
+        optimizer.zero_grad(set_to_none=True)
+        for micro_index in torch.split(index, settings.micro_batch_size):
+            micro = batch.select(micro_index)
+            rows = _rows(micro_index, micro.responses.shape[1])
+            contrib = micro_step(
+                model,
+                micro,
+                rows(advantages),
+                rows(old_logprobs),
+                rows(ref_logprobs),
+                counts,
+                settings,
+            )
+            for name, value in contrib.items():
+                totals[name] = totals.get(name, 0) + value
+        if settings.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]
+            )
+        grad_norms.append(norm)
+        optimizer.step()
+        optimizer_steps += 1
+    metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
+    metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
+    return metrics

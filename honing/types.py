@@ -1,0 +1,71 @@
+"""The data that flows through one step: prompts in, rollouts out, scores attached.
+
+These are plain dataclasses with no torch in them, shared by every layer (DESIGN.md, layer 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training or validation problem, in verl's row schema.
+
+    Attributes:
+        id: stable identifier (file name and line, or the built-in task's key).
+        prompt: plain text, or a list of chat messages ``{"role": ..., "content": ...}``.
+        ground_truth: ``reward_model.ground_truth`` of the row; what verifiers compare to.
+        data_source: which task or dataset the row came from; verifiers may dispatch on it.
+        extra_info: anything else the row carried, passed through to reward functions.
+    """
+
+    id: str
+    prompt: str | list[dict[str, str]]
+    ground_truth: Any
+    data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt.
+
+    Attributes:
+        prompt_id: ``Prompt.id`` of the prompt it answers.
+        group_index: which group (prompt slot in the batch) it belongs to.
+        prompt_ids: token ids of the rendered prompt (no padding).
+        response_ids: sampled token ids, including the final EOS when ``finish_reason == "stop"``.
+        behaviour_logprobs: log-probability under the sampling distribution of each response
+            token (after temperature / top-k / top-p), one per ``response_ids`` entry.
+        finish_reason: ``stop`` (EOS), ``length`` (hit a token limit) or ``abort``.
+        weight_version: the policy version (trainer step) whose weights produced it.
+        text: decoded response without special tokens.
+        gen_seconds: wall time of the generate call this rollout came from.
+    """
+
+    prompt_id: str
+    group_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    text: str
+    gen_seconds: float = 0.0
+
+
+@dataclass
+class Score:
+    """The reward of one rollout and why.
+
+    ``ok`` is False when the reward function raised or timed out; ``reward`` is then whatever
+    the configured ``reward.on_error`` policy decided, and ``details["error"]`` says why.
+    """
+
+    reward: float
+    ok: bool = True
+    details: dict[str, Any] = field(default_factory=dict)
