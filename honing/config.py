@@ -26,9 +26,14 @@ def _opt(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    lt: float | None = None,
+    items: type | None = None,
+    length: int | None = None,
 ) -> Any:
-    """A config field with validation metadata (choices, bounds)."""
-    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le}
+    """A config field with validation metadata: choices, bounds (of a list's items too),
+    and for lists the type of the items and the required length."""
+    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "items": items,
+            "length": length}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -47,11 +52,12 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     task: str = _opt("arithmetic", choices=("arithmetic",))  # built-in task when no files
-    train_files: list = _opt([])  # JSONL / Parquet paths in verl's row schema
-    val_files: list = _opt([])
+    train_files: list = _opt([], items=str)  # JSONL / Parquet paths in verl's row schema
+    val_files: list = _opt([], items=str)
     train_size: int = _opt(4000, ge=1)  # built-in task: number of training problems
     val_size: int = _opt(200, ge=1)  # built-in task: held-out validation problems
-    max_digits: int = _opt(2, ge=1, le=9)  # built-in task: operand size
+    max_digits: int = _opt(2, ge=1, le=9)  # built-in task: most digits of an operand
+    min_digits: int = _opt(1, ge=1, le=9)  # built-in task: fewest digits of an operand
     on_bad_row: str = _opt("error", choices=("error", "skip"))
     shuffle: bool = _opt(True)
 
@@ -98,7 +104,7 @@ class TrainerConfig:
     seed: int = _opt(0, ge=0)
     lr: float = _opt(1e-5, gt=0.0)
     weight_decay: float = _opt(0.0, ge=0.0)
-    betas: list = _opt([0.9, 0.999])
+    betas: list = _opt([0.9, 0.999], items=float, length=2, ge=0.0, lt=1.0)
     warmup_steps: int = _opt(0, ge=0)
     lr_schedule: str = _opt("constant", choices=("constant", "cosine", "linear"))
     min_lr_ratio: float = _opt(0.0, ge=0.0, le=1.0)
@@ -208,6 +214,7 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
                 value = yaml.safe_load(value) if value.strip().startswith("[") else [value]
             if not isinstance(value, list):
                 raise ValueError
+            return _coerce_list(key, f.metadata, value)
         elif kind is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
@@ -218,6 +225,29 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
+def _coerce_list(key: str, meta: Any, value: list) -> list:
+    """Check a list's length and convert / range-check each item."""
+    kind, length = meta.get("items"), meta.get("length")
+    what = f"a list of {length or 'any number of'} {kind.__name__ if kind else 'value'}s"
+    if length is not None and len(value) != length:
+        raise ConfigError(f"{key}: expected {what}, got {value!r}")
+    if kind is None:
+        return value
+    if kind is str:
+        if any(isinstance(v, (list, dict)) or v is None for v in value):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        return [str(v) for v in value]
+    try:
+        if any(isinstance(v, bool) for v in value):
+            raise ValueError
+        converted = [kind(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {what}, got {value!r}") from None
+    for item in converted:
+        _check_range(key, meta, item)
+    return converted
+
+
 def _check_range(key: str, meta: Any, value: Any) -> None:
     if meta.get("choices") and value not in meta["choices"]:
         allowed = ", ".join(map(str, meta["choices"]))
@@ -226,6 +256,7 @@ def _check_range(key: str, meta: Any, value: Any) -> None:
         ("ge", ">=", lambda a, b: a >= b),
         ("gt", ">", lambda a, b: a > b),
         ("le", "<=", lambda a, b: a <= b),
+        ("lt", "<", lambda a, b: a < b),
     ]
     for name, symbol, ok in bounds:
         if meta.get(name) is not None and not ok(value, meta[name]):

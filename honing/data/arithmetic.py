@@ -63,14 +63,17 @@ def has_carry(a: int, b: int) -> bool:
     return no_carry_sum(a, b) != a + b
 
 
-def arithmetic_prompts(split: str, size: int, seed: int, max_digits: int = 3) -> list[Prompt]:
+def arithmetic_prompts(
+    split: str, size: int, seed: int, max_digits: int = 3, *, min_digits: int = 1
+) -> list[Prompt]:
     """Draw ``size`` distinct addition problems of one split.
 
     Args:
         split: ``"train"`` or ``"val"``.
         size: number of problems.
         seed: the same ``(split, size, seed, max_digits)`` always gives the same list.
-        max_digits: operands have 1 to ``max_digits`` digits.
+        max_digits: operands have ``min_digits`` to ``max_digits`` digits.
+        min_digits: the fewest digits an operand has.
 
     Returns:
         Prompts with id ``f"arith:{a}+{b}"``, text ``f"{a}+{b}="``, ground truth
@@ -79,9 +82,9 @@ def arithmetic_prompts(split: str, size: int, seed: int, max_digits: int = 3) ->
     Raises:
         DataError: bad split or digits, or more problems asked for than the split can give.
     """
-    _check_arguments(split, size, max_digits)
+    _check_arguments(split, size, max_digits, min_digits)
     want_validation = split == "val"
-    available = 10 ** (2 * max_digits) * (
+    available = _operand_count(min_digits, max_digits) ** 2 * (
         VALIDATION_PERCENT if want_validation else 100 - VALIDATION_PERCENT
     )
     if size > available // 200:
@@ -90,13 +93,13 @@ def arithmetic_prompts(split: str, size: int, seed: int, max_digits: int = 3) ->
             f"gives only about {available // 100}; expected size <= {available // 200} "
             "(lower the size or raise max_digits)"
         )
-    rng = random.Random(f"arithmetic:{split}:{seed}:{max_digits}")
+    rng = random.Random(f"arithmetic:{split}:{seed}:{max_digits}{_min_tag(min_digits)}")
     seen: set[tuple[int, int]] = set()
     prompts = []
     for _ in range(1000 + 100 * size):
         if len(prompts) == size:
             break
-        a, b = _draw_pair(rng, max_digits)
+        a, b = _draw_pair(rng, max_digits, min_digits)
         if (a, b) in seen or is_validation_pair(a, b) != want_validation:
             continue
         seen.add((a, b))
@@ -118,7 +121,7 @@ def arithmetic_prompts(split: str, size: int, seed: int, max_digits: int = 3) ->
 
 
 def warmstart_corpus(
-    size: int, seed: int, max_digits: int = 3, slip_rate: float = 0.6
+    size: int, seed: int, max_digits: int = 3, slip_rate: float = 0.6, *, min_digits: int = 1
 ) -> list[tuple[str, str]]:
     """A sloppy teacher's demonstrations for a supervised warm start (see module docstring).
 
@@ -130,20 +133,20 @@ def warmstart_corpus(
     Args:
         size: number of ``(prompt, completion)`` pairs.
         seed: the same arguments always give the same corpus.
-        max_digits: operands have 1 to ``max_digits`` digits.
+        max_digits: operands have ``min_digits`` to ``max_digits`` digits.
         slip_rate: probability in ``[0, 1]`` that the teacher drops the carries.
 
     Returns:
         ``[(f"{a}+{b}=", answer_text), ...]``; the completion holds only the digits (the
         caller appends the end-of-sequence token).
     """
-    _check_arguments("train", size, max_digits)
+    _check_arguments("train", size, max_digits, min_digits)
     if not 0.0 <= slip_rate <= 1.0:
         raise DataError(f"warm-start slip_rate must be in [0, 1], got {slip_rate}")
-    rng = random.Random(f"warmstart:{seed}:{max_digits}")
+    rng = random.Random(f"warmstart:{seed}:{max_digits}{_min_tag(min_digits)}")
     corpus = []
     while len(corpus) < size:
-        a, b = _draw_pair(rng, max_digits)
+        a, b = _draw_pair(rng, max_digits, min_digits)
         if is_validation_pair(a, b):
             continue
         answer = a + b
@@ -153,21 +156,34 @@ def warmstart_corpus(
     return corpus
 
 
-def _draw_pair(rng: random.Random, max_digits: int) -> tuple[int, int]:
+def _min_tag(min_digits: int) -> str:
+    """Seed suffix; empty for the default so existing splits stay as they were."""
+    return "" if min_digits == 1 else f":min{min_digits}"
+
+
+def _operand_count(min_digits: int, max_digits: int) -> int:
+    return 10**max_digits - (0 if min_digits == 1 else 10 ** (min_digits - 1))
+
+
+def _draw_pair(rng: random.Random, max_digits: int, min_digits: int = 1) -> tuple[int, int]:
     """Two operands, each with a uniform digit count, then a uniform value of that length."""
-    return _draw_operand(rng, max_digits), _draw_operand(rng, max_digits)
+    return _draw_operand(rng, max_digits, min_digits), _draw_operand(rng, max_digits, min_digits)
 
 
-def _draw_operand(rng: random.Random, max_digits: int) -> int:
-    digits = rng.randint(1, max_digits)
+def _draw_operand(rng: random.Random, max_digits: int, min_digits: int = 1) -> int:
+    digits = rng.randint(min_digits, max_digits)
     low = 0 if digits == 1 else 10 ** (digits - 1)
     return rng.randint(low, 10**digits - 1)
 
 
-def _check_arguments(split: str, size: int, max_digits: int) -> None:
+def _check_arguments(split: str, size: int, max_digits: int, min_digits: int = 1) -> None:
     if split not in SPLITS:
         raise DataError(f"arithmetic split must be 'train' or 'val', got {split!r}")
     if size < 0:
         raise DataError(f"arithmetic size must be >= 0, got {size}")
     if max_digits < 1:
         raise DataError(f"arithmetic max_digits must be >= 1, got {max_digits}")
+    if not 1 <= min_digits <= max_digits:
+        raise DataError(
+            f"arithmetic min_digits must be in [1, max_digits={max_digits}], got {min_digits}"
+        )

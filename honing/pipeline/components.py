@@ -100,8 +100,9 @@ def load_datasets(config: Config) -> tuple[list[Prompt], list[Prompt], int]:
     if data.val_files:
         raise ConfigError("data.val_files is set but data.train_files is empty; set both")
     seed = config.trainer.seed
-    train = arithmetic_prompts("train", data.train_size, seed, data.max_digits)
-    val = arithmetic_prompts("val", data.val_size, seed, data.max_digits)
+    digits = {"max_digits": data.max_digits, "min_digits": data.min_digits}
+    train = arithmetic_prompts("train", data.train_size, seed, **digits)
+    val = arithmetic_prompts("val", data.val_size, seed, **digits)
     return train, val, 0
 
 

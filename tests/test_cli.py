@@ -1,0 +1,135 @@
+"""The ``honing train`` entry point on bad input: one line on stderr, exit 2, nothing written.
+
+Each case runs the real command in a subprocess, so the test sees exactly what a user sees
+(stderr, exit status, files left behind). All of them fail before training starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from honing.config import ENV_KEYS
+
+
+def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    env["HONING_CACHE"] = str(tmp_path / "cache")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return subprocess.run(
+        [sys.executable, "-m", "honing.cli", "train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a user error; fails unless there is exactly one."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert lines[0].startswith("honing: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def model_arg(micro_model_dir) -> str:
+    return f"model.path={micro_model_dir}"
+
+
+def test_unknown_config_key(tmp_path, model_arg):
+    result = run_train(tmp_path, model_arg, "rollout.grup_size=4", "--output-dir", "out")
+    line = error_line(result)
+    assert "'rollout.grup_size'" in line
+    assert "did you mean rollout.group_size?" in line
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "cache").exists()  # nothing was built either
+
+
+def test_bad_value_type(tmp_path, model_arg):
+    result = run_train(tmp_path, model_arg, "rollout.group_size=four", "--output-dir", "out")
+    assert error_line(result) == "honing: error: rollout.group_size: expected int, got 'four'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_config_file(tmp_path, model_arg):
+    result = run_train(tmp_path, "missing.yaml", model_arg, "--output-dir", "out")
+    assert error_line(result) == "honing: error: config file not found: missing.yaml"
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_yaml_config(tmp_path, model_arg):
+    (tmp_path / "bad.yaml").write_text("trainer:\n  lr: 0.001\n   seed: 3\n")
+    result = run_train(tmp_path, "bad.yaml", model_arg, "--output-dir", "out")
+    assert error_line(result).startswith("honing: error: bad.yaml:3: not valid YAML")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_dataset_file(tmp_path, model_arg):
+    result = run_train(
+        tmp_path,
+        model_arg,
+        "data.train_files=[missing.jsonl]",
+        "data.val_files=[missing.jsonl]",
+        "--output-dir",
+        "out",
+    )
+    assert "data file not found: missing.jsonl" in error_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_malformed_dataset_row_names_file_and_line(tmp_path, model_arg):
+    good = {"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}
+    (tmp_path / "train.jsonl").write_text(json.dumps(good) + "\n{not json\n")
+    (tmp_path / "val.jsonl").write_text(json.dumps(good) + "\n")
+    result = run_train(
+        tmp_path,
+        model_arg,
+        "data.train_files=[train.jsonl]",
+        "data.val_files=[val.jsonl]",
+        "--output-dir",
+        "out",
+    )
+    line = error_line(result)
+    assert "train.jsonl:2: invalid JSON" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_numeric_dataset_file_name(tmp_path, model_arg):
+    # `data.train_files=[2024]` is parsed by YAML as a list of one int; the file name must still
+    # be handled as a name (found or not found), not crash with a traceback.
+    result = run_train(
+        tmp_path,
+        model_arg,
+        "data.train_files=[2024]",
+        "data.val_files=[2024]",
+        "--output-dir",
+        "out",
+    )
+    assert "2024" in error_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_never_into_an_existing_run(tmp_path, model_arg):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = run_train(tmp_path, model_arg, "--output-dir", "out", "--resume", "never")
+    line = error_line(result)
+    assert "out already holds a run" in line
+    assert "--resume auto" in line
+    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path, model_arg):
+    result = run_train(tmp_path, model_arg, "--output-dir", "out", "--resume", "nowhere")
+    line = error_line(result)
+    assert "--resume nowhere: not a complete checkpoint (does not exist)" in line
+    assert not (tmp_path / "out").exists()
