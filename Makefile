@@ -30,8 +30,8 @@ demo: setup
 	$(VENV)/bin/honing train examples/arithmetic.yaml --output-dir runs/demo --resume never
 
 test: setup
-	$(VENV)/bin/ruff check honing tests benchmarks
-	$(VENV)/bin/ruff format --check honing tests benchmarks
+	$(VENV)/bin/ruff check honing tests benchmarks examples
+	$(VENV)/bin/ruff format --check honing tests benchmarks examples
 	$(PY) -m pytest
 
 lint: setup

@@ -1,6 +1,6 @@
 """Convert GSM8K's original JSONL ({"question", "answer": "...#### 42"}) to verl's row schema.
 
-    python examples/gsm8k_to_jsonl.py IN.jsonl OUT.jsonl
+python examples/gsm8k_to_jsonl.py IN.jsonl OUT.jsonl
 """
 
 import json

@@ -32,8 +32,15 @@ def _opt(
 ) -> Any:
     """A config field with validation metadata: choices, bounds (of a list's items too),
     and for lists the type of the items and the required length."""
-    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "items": items,
-            "length": length}
+    meta = {
+        "choices": choices,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "lt": lt,
+        "items": items,
+        "length": length,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -36,7 +36,7 @@ class TinySpec:
     num_heads: int = 4
     intermediate_size: int = 384
     max_positions: int = 64
-    warmstart_steps: int = 1500
+    warmstart_steps: int = 1200
     warmstart_batch: int = 128
     warmstart_lr: float = 3e-3
     seed: int = 0
@@ -145,6 +145,9 @@ def build_tiny_model(
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    from honing.models.loading import quiet_transformers
+
+    quiet_transformers()
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer()

@@ -38,7 +38,7 @@ BUILTIN_TINY = "builtin:tiny"
 # The embedded model's warm start: problems, operand size and the teacher's carry-slip rate.
 TINY_CORPUS_SIZE = 20000
 TINY_MAX_DIGITS = 2
-TINY_SLIP_RATE = 0.6
+TINY_SLIP_RATE = 0.7
 
 
 @dataclass

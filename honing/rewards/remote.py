@@ -21,19 +21,22 @@ class VerifierUnavailable(RuntimeError):
     """The verifier service did not give a usable answer within the retry budget."""
 
 
-def remote_reward_fn(endpoint: str, *, timeout_s: float = 30.0, retries: int = 2,
-                     backoff_s: float = 0.2) -> Callable[..., dict]:
+def remote_reward_fn(
+    endpoint: str, *, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2
+) -> Callable[..., dict]:
     """Build a reward function (see ``honing.rewards.registry``) backed by ``endpoint``."""
 
     def remote_verifier(response: str, ground_truth: Any, **context: Any) -> dict:
-        body = json.dumps({"response": response, "ground_truth": ground_truth, **context},
-                          default=str).encode()
+        body = json.dumps(
+            {"response": response, "ground_truth": ground_truth, **context}, default=str
+        ).encode()
         last_error = ""
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(endpoint, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                endpoint, data=body, method="POST", headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as answer:
                     return json.loads(answer.read())
