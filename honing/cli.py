@@ -79,7 +79,13 @@ def run_train(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after the options too: `train cfg.yaml --output-dir d key=value`.
+    ns, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns.args = ns.args + extra
     try:
         return run_train(ns)
     except UserError as err:

@@ -133,3 +133,23 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path, model_arg):
     line = error_line(result)
     assert "--resume nowhere: not a complete checkpoint (does not exist)" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_overrides_may_follow_the_options(tmp_path):
+    """`train --output-dir D key=value` reads the override (here: an unknown key, exit 2)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "honing.cli",
+            "train",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "rollout.grup_size=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "did you mean rollout.group_size" in result.stderr

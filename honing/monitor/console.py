@@ -122,6 +122,7 @@ class ConsoleSink:
         self._in_place = _is_tty(self.stream)
         self._line_pending = False
         self._last_line = ""
+        self._log_every = max(1, total_steps // 50)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Prints the summary line of ``step``."""
@@ -130,7 +131,11 @@ class ConsoleSink:
         self._last_write = now
         if math.isfinite(step_time):
             self._step_times.append(float(step_time))
-        self._show(self.format_line(step, metrics))
+        # Validation steps and the last step stay on screen; between them a terminal redraws
+        # one line, and a log file gets every `_log_every`-th step (about 50 lines a run).
+        milestone = step >= self.total_steps or any(k.startswith("val/") for k in metrics)
+        if self._in_place or milestone or step % self._log_every == 0:
+            self._show(self.format_line(step, metrics), keep=milestone)
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         """Builds the summary line for ``step`` from the metrics and recent step times."""
@@ -160,11 +165,11 @@ class ConsoleSink:
             self.stream.flush()
             self._line_pending = False
 
-    def _show(self, line: str) -> None:
+    def _show(self, line: str, keep: bool = False) -> None:
         if self._in_place:
-            self.stream.write(_CLEAR_LINE + line)
-            self._line_pending = True
-            self._last_line = line
+            self.stream.write(_CLEAR_LINE + line + ("\n" if keep else ""))
+            self._line_pending = not keep
+            self._last_line = "" if keep else line
         else:
             self.stream.write(line + "\n")
         self.stream.flush()

@@ -98,8 +98,16 @@ def test_console_eta_uses_the_median_step_time():
     sink = ConsoleSink(100, stream=stream)
     for step, seconds in enumerate([1.0, 1.0, 60.0, 1.0, 1.0], start=1):
         sink.write(step, {"timing_s/step": seconds})
-    last_line = stream.getvalue().splitlines()[-1]
-    assert last_line.endswith("| 1 s/step | ETA 1m35s")
+    assert sink.format_line(5, {}).endswith("| 1 s/step | ETA 1m35s")
+
+
+def test_log_file_gets_about_fifty_lines_plus_validation_and_the_last_step():
+    stream = io.StringIO()
+    sink = ConsoleSink(500, stream=stream)
+    for step in range(1, 501):
+        sink.write(step, {"timing_s/step": 0.1} | ({"val/accuracy": 0.5} if step == 25 else {}))
+    steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == sorted(set(range(10, 501, 10)) | {25})
 
 
 def test_console_measures_step_time_without_the_metric():

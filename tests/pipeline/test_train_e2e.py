@@ -59,3 +59,24 @@ def test_same_seed_same_metrics(first_run, micro_model_dir, digit_reward, tmp_pa
     # A different seed samples differently: the equality above is not a constant.
     assert main(train_args(micro_model_dir, digit_reward, tmp_path / "other", seed=1)) == 0
     assert scores(tmp_path / "other") != scores(out)
+
+
+def test_reference_model_and_several_updates_per_batch(micro_model_dir, digit_reward, tmp_path):
+    """kl_coef > 0 loads a frozen reference; 2 epochs x 2 mini-batches freeze old logprobs."""
+    args = train_args(micro_model_dir, digit_reward, tmp_path / "kl")
+    args[-2:-2] = [
+        "algorithm.kl_coef=0.05",
+        "trainer.ppo_epochs=2",
+        "trainer.mini_batch_size=2",
+        "trainer.micro_batch_size=3",
+        "trainer.warmup_steps=1",
+        "trainer.lr_schedule=cosine",
+    ]
+    assert main(args) == 0
+    steps = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").open()]
+    trained = [m for m in steps if m["step"] > 0]
+    assert all("actor/kl_loss" in m and "timing_s/ref" in m for m in trained)
+    # The policy moves away from the reference after the first update of step 1.
+    assert trained[-1]["actor/kl_loss"] > 0.0
+    # Later optimizer steps of a batch see a changed policy: the ratio leaves 1.
+    assert any(m["actor/ppo_kl"] != 0.0 for m in trained)
