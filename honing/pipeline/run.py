@@ -49,6 +49,9 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> RunR
     if checkpoint is not None:
         start = load_training_state(parts, checkpoint)
         log(f"resuming from {checkpoint} (step {start})")
+        if start >= config.trainer.total_steps:
+            log(f"the run is already at step {start} of trainer.total_steps="
+                f"{config.trainer.total_steps}; raise it to train further")
     with RunLogger(
         run_dir,
         total_steps=config.trainer.total_steps,
