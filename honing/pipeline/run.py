@@ -50,8 +50,10 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> RunR
         start = load_training_state(parts, checkpoint)
         log(f"resuming from {checkpoint} (step {start})")
         if start >= config.trainer.total_steps:
-            log(f"the run is already at step {start} of trainer.total_steps="
-                f"{config.trainer.total_steps}; raise it to train further")
+            log(
+                f"the run is already at step {start} of trainer.total_steps="
+                f"{config.trainer.total_steps}; raise it to train further"
+            )
     with RunLogger(
         run_dir,
         total_steps=config.trainer.total_steps,

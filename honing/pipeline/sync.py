@@ -3,11 +3,14 @@
 Per step: take a batch of prompts, sample ``group_size`` completions each, score them,
 compute advantages, update the policy (which the in-process engine shares), log, and
 validate / checkpoint on schedule. Every generated sample is accounted for:
-generated = trained + failed (dropped by ``reward.on_error=drop``).
+generated = trained + failed, where failed counts the samples whose score failed and were
+dropped (``reward.on_error=drop``); ``samples/score_errors`` counts every failed score, also
+those trained with a recorded 0 (``reward.on_error=zero``).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -177,10 +180,10 @@ class SyncLoop:
         return metrics
 
     def _rollout_metrics(self, rollouts: list[Rollout], scores: list[Score], kept: int) -> dict:
-        rewards = [s.reward for s in scores if s.ok]
+        rewards = [s.reward for s in scores if math.isfinite(s.reward)]  # what is trained
         lengths = [len(r.response_ids) for r in rollouts]
         latencies = self.parts.scorer.last_latencies_ms
-        failed = sum(not s.ok for s in scores)
+        dropped = len(rollouts) - kept
         metrics = {
             "response_length/mean": statistics.fmean(lengths),
             "response_length/max": max(lengths),
@@ -188,7 +191,8 @@ class SyncLoop:
             / len(rollouts),
             "samples/generated": len(rollouts),
             "samples/trained": kept,
-            "samples/failed": failed,
+            "samples/failed": dropped,
+            "samples/score_errors": sum(not s.ok for s in scores),
             "reward/latency_p99_ms": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
         }
         if rewards:
@@ -197,9 +201,13 @@ class SyncLoop:
                 "critic/score/max": max(rewards),
                 "critic/score/min": min(rewards),
             }
-        # The invariant of DESIGN.md: every generated sample is trained, or failed with a reason.
-        dropped = len(rollouts) - kept
-        assert dropped == (failed if self.config.reward.on_error == "drop" else 0)
+        # DESIGN.md's invariant: every generated sample is trained, or failed with a reason.
+        failed_and_dropped = sum(not math.isfinite(s.reward) for s in scores)
+        if dropped != failed_and_dropped:
+            raise RuntimeError(
+                f"sample accounting broken: {len(rollouts)} generated, {kept} "
+                f"trained, {failed_and_dropped} failed"
+            )
         return metrics
 
     def _log_samples(self, step: int, rollouts: list[Rollout], scores: list[Score]) -> None:

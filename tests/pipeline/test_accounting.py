@@ -1,0 +1,68 @@
+"""Every generated sample is accounted for when scoring fails: trained, or failed with a reason."""
+
+import json
+
+import pytest
+
+from honing.cli import main
+
+FLAKY_REWARD = """
+def flaky(response, ground_truth, **context):
+    if len(response) % 2 == 0:
+        raise ValueError("even-length answer")
+    return 1.0 if len(response) == 1 else 0.0
+"""
+
+
+def run(tmp_path, micro_model_dir, policy):
+    reward = tmp_path / "flaky.py"
+    reward.write_text(FLAKY_REWARD)
+    out = tmp_path / policy
+    status = main(
+        [
+            "train",
+            f"model.path={micro_model_dir}",
+            f"reward.function={reward}:flaky",
+            f"reward.on_error={policy}",
+            "trainer.total_steps=3",
+            "trainer.val_every=0",
+            "trainer.val_at_start=false",
+            "rollout.batch_size=4",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=4",
+            "rollout.val_samples=1",
+            "data.train_size=50",
+            "data.val_size=4",
+            "monitor.console=false",
+            "monitor.tensorboard=false",
+            "--output-dir",
+            str(out),
+        ]
+    )
+    path = out / "metrics.jsonl"
+    return status, [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+@pytest.mark.parametrize("policy", ["drop", "zero"])
+def test_generated_equals_trained_plus_failed(tmp_path, micro_model_dir, policy):
+    status, metrics = run(tmp_path, micro_model_dir, policy)
+    assert status == 0
+    steps = [m for m in metrics if "samples/generated" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["samples/generated"] == 16
+        assert m["samples/generated"] == m["samples/trained"] + m["samples/failed"]
+    errors = sum(m["samples/score_errors"] for m in steps)
+    assert errors > 0  # the flaky function did fail, so the counts above are not trivial
+    if policy == "drop":
+        assert sum(m["samples/failed"] for m in steps) == errors
+    else:
+        assert all(m["samples/failed"] == 0 for m in steps)
+
+
+def test_error_policy_stops_with_one_line(tmp_path, micro_model_dir, capsys):
+    status, _ = run(tmp_path, micro_model_dir, "error")
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("honing: error: reward function")
+    assert "even-length answer" in err[-1]
