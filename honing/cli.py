@@ -57,11 +57,9 @@ def run_train(ns: argparse.Namespace) -> int:
     config_path, overrides = _split_args(ns.args)
     config = resolve_config(config_path, overrides)
     from honing.pipeline.run import default_output_dir, train
-    from honing.pipeline.run import summary as summarize
 
     run_dir = ns.output_dir or default_output_dir(config_path)
-    result = train(config, run_dir, resume=ns.resume)
-    info = summarize(result)
+    info = train(config, run_dir, resume=ns.resume)
     print(f"run: {run_dir}")
     if "val_accuracy_start" in info:
         start, end = info["val_accuracy_start"], info["val_accuracy_end"]
@@ -79,6 +77,7 @@ def run_train(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = _parser()
     # Overrides may come after the options too: `train cfg.yaml --output-dir d key=value`.
     ns, extra = parser.parse_known_args(argv)
@@ -97,5 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())

@@ -218,7 +218,7 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
             value = float(value)
         elif kind is list:
             if isinstance(value, str):
-                value = yaml.safe_load(value) if value.strip().startswith("[") else [value]
+                value = _parse_value(key, value) if value.strip().startswith("[") else [value]
             if not isinstance(value, list):
                 raise ValueError
             return _coerce_list(key, f.metadata, value)
@@ -297,6 +297,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return _flatten(tree, source=str(path))
 
 
+def _parse_value(key: str, raw: str) -> Any:
+    """A command-line or environment value, read as a YAML scalar or list."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{key}: {raw!r} is not a valid value ({problem})") from None
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``section.key=value`` strings from the command line; values are parsed as YAML scalars."""
     out = {}
@@ -304,7 +313,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"bad override {item!r}: expected section.key=value")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        out[key.strip()] = _parse_value(key.strip(), raw) if raw.strip() else ""
     return out
 
 

@@ -6,9 +6,15 @@ are chosen by name from registries, so adding an algorithm is one function and o
 
 from honing.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    dr_grpo,
+    gae,
     get_advantage,
     grpo,
     register_advantage,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    remax,
+    rloo,
 )
 from honing.algorithms.core import (
     entropy_from_logits,
@@ -28,6 +34,7 @@ from honing.algorithms.losses import (
     ppo_clip,
     register_policy_loss,
 )
+from honing.algorithms.policy_losses import cispo, gspo
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -35,10 +42,14 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "aggregate_loss",
+    "cispo",
+    "dr_grpo",
     "entropy_from_logits",
+    "gae",
     "get_advantage",
     "get_policy_loss",
     "grpo",
+    "gspo",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -48,4 +59,8 @@ __all__ = [
     "ppo_clip",
     "register_advantage",
     "register_policy_loss",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
 ]

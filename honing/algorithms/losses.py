@@ -11,8 +11,12 @@ All inputs are ``[B, T]``. Metrics are detached 0-dim tensors (no ``.item()``: t
 decides when to sync with the host).
 
 Micro-batching: the trainer splits a mini-batch into micro-batches and accumulates their
-gradients. Passing the whole mini-batch's ``num_tokens`` / ``num_seqs`` to every micro-batch
-makes the sum of the micro-batch losses equal the mini-batch loss exactly, whatever the split.
+gradients. Passing the whole mini-batch's ``num_tokens`` / ``num_seqs`` (and, for
+``seq_mean_token_sum_norm``, a constant ``loss_scale_len``) to every micro-batch makes the sum
+of the micro-batch losses equal the mini-batch loss exactly, whatever the split.
+
+``ppo_clip`` lives here; the other policy losses (``gspo``, ``cispo``) are in
+``policy_losses.py`` and join ``POLICY_LOSSES`` when the package is imported.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ _Fn = TypeVar("_Fn", bound=Callable)
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
-LossAggregation = Callable[[Tensor, Tensor, Tensor | float | None, Tensor | float | None], Tensor]
+Count = Tensor | float | None
+LossAggregation = Callable[[Tensor, Tensor, Count, Count, Count], Tensor]
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 KL_ESTIMATORS: dict[str, KLEstimator] = {}
@@ -131,10 +136,7 @@ def _as_count(count: Tensor | float, like: Tensor) -> Tensor:
 
 @_register(LOSS_AGGREGATIONS, "loss aggregation", "token_mean")
 def _token_mean(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: Tensor | float | None,
-    num_seqs: Tensor | float | None,
+    loss_mat: Tensor, mask: Tensor, num_tokens: Count, num_seqs: Count, loss_scale_len: Count
 ) -> Tensor:
     # Every token weighs the same: sum of token losses / number of tokens in the mini-batch.
     num_tokens = mask.sum() if num_tokens is None else num_tokens
@@ -143,10 +145,7 @@ def _token_mean(
 
 @_register(LOSS_AGGREGATIONS, "loss aggregation", "seq_mean_token_sum")
 def _seq_mean_token_sum(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: Tensor | float | None,
-    num_seqs: Tensor | float | None,
+    loss_mat: Tensor, mask: Tensor, num_tokens: Count, num_seqs: Count, loss_scale_len: Count
 ) -> Tensor:
     # Every sequence weighs by its length: token losses summed per sequence, averaged over seqs.
     seq_losses = masked_sum(loss_mat, mask, dim=-1)  # [B]
@@ -156,10 +155,7 @@ def _seq_mean_token_sum(
 
 @_register(LOSS_AGGREGATIONS, "loss aggregation", "seq_mean_token_mean")
 def _seq_mean_token_mean(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: Tensor | float | None,
-    num_seqs: Tensor | float | None,
+    loss_mat: Tensor, mask: Tensor, num_tokens: Count, num_seqs: Count, loss_scale_len: Count
 ) -> Tensor:
     # Every sequence weighs the same (original GRPO): mean per sequence, averaged over seqs.
     seq_losses = masked_mean(loss_mat, mask, dim=-1)  # [B]
@@ -167,13 +163,26 @@ def _seq_mean_token_mean(
     return seq_losses.sum() / _as_count(num_seqs, loss_mat)
 
 
+@_register(LOSS_AGGREGATIONS, "loss aggregation", "seq_mean_token_sum_norm")
+def _seq_mean_token_sum_norm(
+    loss_mat: Tensor, mask: Tensor, num_tokens: Count, num_seqs: Count, loss_scale_len: Count
+) -> Tensor:
+    # Dr. GRPO (https://arxiv.org/abs/2503.20783): token losses summed and divided by a
+    # constant, so no response's tokens are up- or down-weighted by its length.
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    loss_scale_len = mask.shape[-1] if loss_scale_len is None else loss_scale_len
+    normaliser = _as_count(num_seqs, loss_mat) * _as_count(loss_scale_len, loss_mat)
+    return masked_sum(loss_mat, mask) / normaliser
+
+
 def aggregate_loss(
     loss_mat: Tensor,
     mask: Tensor,
     mode: str = "token_mean",
     *,
-    num_tokens: Tensor | float | None = None,
-    num_seqs: Tensor | float | None = None,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    loss_scale_len: Count = None,
 ) -> Tensor:
     """Reduces per-token losses to a scalar.
 
@@ -181,6 +190,9 @@ def aggregate_loss(
         ``token_mean``: ``sum(loss * mask) / num_tokens``.
         ``seq_mean_token_sum``: per-sequence token sums, summed, ``/ num_seqs``.
         ``seq_mean_token_mean``: per-sequence token means, summed, ``/ num_seqs``.
+        ``seq_mean_token_sum_norm``: ``sum(loss * mask) / (num_seqs * loss_scale_len)``,
+        Dr. GRPO's constant normaliser; keep ``loss_scale_len`` the same all run (e.g. the
+        maximum response length), or the normaliser varies with the batch again.
 
     For a micro-batch pass the whole mini-batch's counts, so micro-batch losses (and their
     gradients) add up to the mini-batch's. A count of 0 gives a loss of 0, not ``nan``.
@@ -191,6 +203,8 @@ def aggregate_loss(
         mode: One of the names in ``LOSS_AGGREGATIONS``.
         num_tokens: Token count to divide by (``token_mean``); default ``mask.sum()``.
         num_seqs: Sequence count to divide by (``seq_mean_*``); default ``B``.
+        loss_scale_len: Length to divide by (``seq_mean_token_sum_norm``); default ``T``,
+            which changes with padding: pass a constant when micro-batches are trimmed.
 
     Returns:
         A 0-dim tensor.
@@ -199,7 +213,7 @@ def aggregate_loss(
         ValueError: For an unknown mode.
     """
     aggregate = _lookup(LOSS_AGGREGATIONS, "loss aggregation", mode)
-    return aggregate(loss_mat, mask, num_tokens, num_seqs)
+    return aggregate(loss_mat, mask, num_tokens, num_seqs, loss_scale_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,15 +230,20 @@ def ppo_clip(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
     loss_agg: str = "token_mean",
-    num_tokens: Tensor | float | None = None,
-    num_seqs: Tensor | float | None = None,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    loss_scale_len: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate objective, as a loss to minimise.
 
     ``L = max(-A * r, -A * clip(r, 1 - low, 1 + high))`` per token with
     ``r = exp(logprobs - old_logprobs)``; PPO, eq. 7: https://arxiv.org/abs/1707.06347 .
     Separate low / high ranges allow DAPO's clip-higher (https://arxiv.org/abs/2503.14476).
+    With ``clip_ratio_c`` (dual-clip, https://arxiv.org/abs/1912.09729), tokens with
+    ``A < 0`` take ``min(L, -A * clip_ratio_c)``: a very large ratio on a bad token can no
+    longer make the loss (and its gradient) unbounded.
 
     Args:
         logprobs: ``[B, T]`` log-probabilities under the policy being trained (with grad).
@@ -233,30 +252,52 @@ def ppo_clip(
         response_mask: ``[B, T]`` 1 on response tokens, 0 on padding.
         clip_ratio_low: The ratio is clipped below at ``1 - clip_ratio_low``.
         clip_ratio_high: The ratio is clipped above at ``1 + clip_ratio_high``.
+        clip_ratio_c: Dual-clip bound, greater than 1 (3.0 in the paper and verl); None
+            turns dual-clip off.
         loss_agg: Aggregation mode, see ``aggregate_loss``.
         num_tokens: Mini-batch token count, see ``aggregate_loss``.
         num_seqs: Mini-batch sequence count, see ``aggregate_loss``.
+        loss_scale_len: Constant length for ``seq_mean_token_sum_norm``, see
+            ``aggregate_loss``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss and detached 0-dim metrics ``actor/pg_loss``,
         ``actor/pg_clipfrac`` (tokens where the clipped term was the larger),
-        ``actor/pg_clipfrac_lower`` (those with ``r < 1 - low`` and ``A < 0``) and
-        ``actor/ppo_kl`` (masked mean of ``old_logprobs - logprobs``). The fractions and KL
-        are means over this call's tokens, whatever the aggregation mode.
+        ``actor/pg_clipfrac_lower`` (without dual-clip: tokens with ``r < 1 - low`` and
+        ``A < 0``; with it: tokens where the dual clip is active, ``A < 0`` and
+        ``L > -A * clip_ratio_c``, as in verl) and ``actor/ppo_kl`` (masked mean of
+        ``old_logprobs - logprobs``). The fractions and KL are means over this call's
+        tokens, whatever the aggregation mode.
+
+    Raises:
+        ValueError: If ``clip_ratio_c`` is not greater than 1.
     """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be greater than 1 (dual-clip); got {clip_ratio_c}")
     # The log-ratio is clamped so that exp cannot overflow to inf on a stale sample.
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped_losses = -advantages * ratio  # [B, T]
     clipped_losses = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = torch.maximum(unclipped_losses, clipped_losses)  # [B, T]
+    if clip_ratio_c is None:
+        clipped_lower = (ratio < 1 - clip_ratio_low) & (advantages < 0)  # [B, T]
+    else:
+        dual_clip_losses = -advantages * clip_ratio_c  # [B, T]
+        clipped_lower = (pg_losses > dual_clip_losses) & (advantages < 0)  # [B, T]
+        pg_losses = torch.where(clipped_lower, dual_clip_losses, pg_losses)
     loss = aggregate_loss(
-        pg_losses, response_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs
+        pg_losses,
+        response_mask,
+        loss_agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        loss_scale_len=loss_scale_len,
     )
 
     with torch.no_grad():
         clipped = (clipped_losses > unclipped_losses).to(ratio.dtype)  # [B, T]
-        clipped_lower = ((ratio < 1 - clip_ratio_low) & (advantages < 0)).to(ratio.dtype)
+        clipped_lower = clipped_lower.to(ratio.dtype)  # [B, T]
         metrics = {
             "actor/pg_loss": loss.detach(),
             "actor/pg_clipfrac": masked_mean(clipped, response_mask),

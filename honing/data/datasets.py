@@ -62,9 +62,12 @@ def load_prompts(paths: list[str], *, on_bad_row: str = "error") -> tuple[list[P
     prompts: list[Prompt] = []
     seen_ids: dict[str, str] = {}
     skipped = 0
+    basenames = [os.path.basename(path) for path in paths]
     for path in paths:
         file_prompts = 0
         basename, stem = os.path.basename(path), Path(path).stem
+        if basenames.count(basename) > 1:  # gsm8k/train.jsonl + math/train.jsonl
+            basename = str(path)
         for where, position, row in _read_rows(str(path)):
             try:
                 if isinstance(row, _BadRow):

@@ -49,7 +49,13 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(
+            f"model.path: cannot load a tokenizer from {path} ({_first_line(err)}); expected "
+            "the tokenizer files (tokenizer.json or tokenizer_config.json + vocabulary)"
+        ) from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"model.path: the tokenizer in {path} has no EOS token")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -69,13 +75,38 @@ def load_causal_lm(
     """Load a causal LM for training; grow its embeddings if the tokenizer gained a pad token."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(
+            f"model.path: cannot load a causal LM from {path} ({_first_line(err)}); expected "
+            "config.json and weights (*.safetensors or pytorch_model.bin)"
+        ) from None
+    disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(device)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def disable_dropout(model) -> None:
+    """Dropout off for RL, as TRL does by default: with dropout, the policy's logprobs differ
+    between the old-policy pass and the update pass, so the PPO ratio is not 1 on-policy and
+    the KL to the (eval-mode) reference is biased. The module stays in train mode, so
+    gradient checkpointing still works."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
 
 
 def save_model(model, tokenizer, directory: str | Path) -> None:

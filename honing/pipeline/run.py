@@ -1,21 +1,27 @@
-"""One training run end to end: run directory, resume, the loop, the closing summary."""
+"""One training run end to end: run directory, resume, the loop, the closing summary.
+
+Order matters for "nothing half-written": the config, data, model and the checkpoint to resume
+from are all loaded (any bad input raises ``UserError``) before the first file is written.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from honing.checkpoint import CheckpointManager
-from honing.config import Config, dump_yaml
+from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.monitor import RunLogger
 from honing.pipeline.components import build_components
-from honing.pipeline.state import load_training_state
-from honing.pipeline.sync import RunResult, SyncLoop
+from honing.pipeline.state import CONFIG_FILE, load_training_state
+from honing.pipeline.sync import SyncLoop
 
 
 def default_output_dir(config_path: str | None) -> Path:
@@ -23,16 +29,56 @@ def default_output_dir(config_path: str | None) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _has_logs(run_dir: Path) -> bool:
-    return (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size > 0
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
-def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> RunResult:
-    """Train per ``config`` into ``run_dir``; ``resume`` is auto, never or a checkpoint path."""
+def _holds_run(run_dir: Path, checkpoints: CheckpointManager) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return (metrics.exists() and metrics.stat().st_size > 0) or bool(checkpoints.complete_steps())
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(checkpoint: Path, config: Config) -> list[str]:
+    """Keys whose value differs from the config the checkpoint was trained with."""
+    saved = checkpoint / CONFIG_FILE
+    if not saved.exists():
+        return []
+    before, now = _flat(yaml.safe_load(saved.read_text())), _flat(to_dict(config))
+    return sorted(k for k in now if k in before and before[k] != now[k])
+
+
+def _set_aside_newer(checkpoints: CheckpointManager, start: int, log) -> list[str]:
+    """Checkpoints past the resume point belong to an abandoned future: keep them, but out of
+    reach of ``--resume auto``, under ``checkpoints/abandoned-<time>/``."""
+    newer = [s for s in checkpoints.complete_steps() if s > start]
+    if not newer:
+        return []
+    shelf = checkpoints.root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+    shelf.mkdir(parents=True, exist_ok=True)
+    for step in newer:
+        os.replace(checkpoints.path_for(step), shelf / f"step_{step}")
+    log(f"moved checkpoints of steps {newer} (after the resume point) to {shelf}")
+    return [str(shelf / f"step_{s}") for s in newer]
+
+
+def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
+    """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep=config.checkpoint.keep)
     checkpoint = checkpoints.resolve(resume)
-    if resume == "never" and _has_logs(run_dir):
+    if resume == "never" and _holds_run(run_dir, checkpoints):
         raise UserError(
             f"{run_dir} already holds a run; pass --resume auto to continue it, "
             "or choose another --output-dir"
@@ -40,59 +86,84 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> RunR
     if config.trainer.threads:
         torch.set_num_threads(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
-    parts = build_components(config, log=log)  # everything that can fail on bad input first
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(config))
-    start = 0
-    for leftover in checkpoints.cleanup_incomplete():
-        log(f"removed an incomplete checkpoint left by a crash: {leftover}")
+    parts = build_components(config, log=log)
+    start, changed = 0, []
     if checkpoint is not None:
+        changed = config_changes(checkpoint, config)
         start = load_training_state(parts, checkpoint)
         log(f"resuming from {checkpoint} (step {start})")
-        if start >= config.trainer.total_steps:
-            log(
-                f"the run is already at step {start} of trainer.total_steps="
-                f"{config.trainer.total_steps}; raise it to train further"
-            )
+        if changed:
+            log(f"config differs from the checkpoint's in: {', '.join(changed)}")
+    # Everything loaded: from here on the run directory is written.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.yaml", dump_yaml(config))
+    for leftover in checkpoints.cleanup_incomplete():
+        log(f"removed an incomplete checkpoint left by a crash: {leftover}")
+    abandoned = _set_aside_newer(checkpoints, start, log)
     with RunLogger(
         run_dir,
         total_steps=config.trainer.total_steps,
         tensorboard=config.monitor.tensorboard,
         console=config.monitor.console,
     ) as logger:
-        if _has_logs(run_dir):
-            dropped = logger.truncate_after(start)
+        if _holds_run(run_dir, checkpoints) or abandoned:
+            # Steps after the resume point are redone; a fresh start redoes step 0 too.
+            dropped = logger.truncate_after(start if start else -1)
             logger.log_event(
                 "resumed" if start else "restarted",
                 step=start,
                 dropped=dropped,
                 checkpoint=str(checkpoint) if checkpoint else None,
+                config_changed=changed,
+                abandoned=abandoned,
             )
         if parts.skipped_rows:
             logger.log_event("skipped_rows", count=parts.skipped_rows)
-        result = SyncLoop(config, parts, logger, checkpoints, run_dir).run(start)
-    (run_dir / "summary.json").write_text(json.dumps(summary(result), indent=1))
+        if start >= config.trainer.total_steps:
+            log(
+                f"the run is already at step {start} of trainer.total_steps="
+                f"{config.trainer.total_steps}; raise it to train further"
+            )
+        SyncLoop(config, parts, logger, checkpoints).run(start)
+    result = summary(run_dir)
+    write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
     return result
 
 
-def summary(result: RunResult) -> dict:
-    """First and last validation, and how long the run took to get there."""
-    if not result.val_history:
-        return {"run_dir": str(result.run_dir), "last_step": result.last_step}
-    first, last = result.val_history[0], result.val_history[-1]
-    pass_key = next((k for k in first[2] if k.startswith("val/pass@")), None)
+def summary(run_dir: Path) -> dict:
+    """First and last validation of the whole run, read back from metrics.jsonl (so resumed
+    runs report from their true start). ``seconds`` counts training time: the sum of step and
+    validation times, without start-up or time spent stopped."""
+    lines = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    elapsed, curve = 0.0, []
+    for m in sorted(lines, key=lambda m: m["step"]):
+        elapsed += (m.get("timing_s/step") or 0.0) + (m.get("timing_s/val") or 0.0)
+        if m.get("val/accuracy") is not None:
+            curve.append(
+                {
+                    "step": m["step"],
+                    "seconds": round(elapsed, 1),
+                    **{k: v for k, v in m.items() if k.startswith("val/")},
+                }
+            )
+    last_step = max((m["step"] for m in lines), default=0)
+    if not curve:
+        return {"run_dir": str(run_dir), "last_step": last_step}
+    first, last = curve[0], curve[-1]
+    pass_key = next((k for k in first if k.startswith("val/pass@")), None)
     return {
-        "run_dir": str(result.run_dir),
-        "first_step": first[0],
-        "last_step": last[0],
-        "val_accuracy_start": first[2]["val/accuracy"],
-        "val_accuracy_end": last[2]["val/accuracy"],
+        "run_dir": str(run_dir),
+        "first_step": first["step"],
+        "last_step": last["step"],
+        "val_accuracy_start": first["val/accuracy"],
+        "val_accuracy_end": last["val/accuracy"],
         "pass_at_k_key": pass_key,
-        "pass_at_k_start": first[2].get(pass_key),
-        "pass_at_k_end": last[2].get(pass_key),
-        "seconds": last[1],
-        "curve": [
-            {"step": s, "seconds": round(t, 1), "val/accuracy": m["val/accuracy"]}
-            for s, t, m in result.val_history
-        ],
+        "pass_at_k_start": first.get(pass_key),
+        "pass_at_k_end": last.get(pass_key),
+        "seconds": last["seconds"],
+        "curve": curve,
     }

@@ -2,12 +2,15 @@
 
     checkpoints/step_<N>/
         config.json, model.safetensors, tokenizer files   the policy, Hugging Face format
-        trainer_state.pt    optimizer, scheduler, torch RNG state
+        trainer_state.pt    optimizer, scheduler, torch RNG states
         state.json          step, data cursor, seed (human-readable)
+        config.yaml         the run's resolved config when this checkpoint was written
         COMPLETE            written last by CheckpointManager: only then is it loadable
 
-The step's sampling seed is derived from (seed, step), so restoring the cursor, weights and
-optimizer is enough for a resumed run to continue exactly as an uninterrupted one.
+The step's sampling seed is derived from (seed, step), so restoring the cursor, weights,
+optimizer and scheduler is enough for a resumed run to continue exactly as an uninterrupted
+one. Without the optimizer (``checkpoint.save_optimizer=false``) the resume is not exact: Adam's
+moments start again from zero.
 """
 
 from __future__ import annotations
@@ -18,51 +21,78 @@ from pathlib import Path
 import torch
 
 from honing.checkpoint import CheckpointManager
+from honing.config import Config, dump_yaml
+from honing.errors import UserError
 from honing.models.loading import save_model
 from honing.pipeline.components import Components
 
 TRAINER_STATE = "trainer_state.pt"
 STATE_JSON = "state.json"
+CONFIG_FILE = "config.yaml"
 
 
 def save_training_state(
-    manager: CheckpointManager, parts: Components, step: int, *, seed: int, save_optimizer: bool
+    manager: CheckpointManager, parts: Components, config: Config, step: int
 ) -> Path:
     def write(directory: Path) -> None:
         save_model(parts.policy, parts.tokenizer, directory)
         state = {"scheduler": parts.scheduler.state_dict(), "rng": torch.get_rng_state()}
-        if save_optimizer:
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if config.checkpoint.save_optimizer:
             state["optimizer"] = parts.optimizer.state_dict()
         torch.save(state, directory / TRAINER_STATE)
-        info = {"step": step, "seed": seed, "data": parts.source.state_dict()}
+        info = {"step": step, "seed": config.trainer.seed, "data": parts.source.state_dict()}
         (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
+        (directory / CONFIG_FILE).write_text(dump_yaml(config))
 
     return manager.save(step, write)
 
 
-def load_training_state(parts: Components, checkpoint: Path) -> int:
-    """Restore weights, optimizer, scheduler, RNG and data cursor; return the step."""
+def _load_weights(parts: Components, checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
-    info = json.loads((checkpoint / STATE_JSON).read_text())
     weights = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
         weights.update(load_file(shard, device=str(parts.device)))
-    missing, unexpected = parts.policy.load_state_dict(weights, strict=False)
-    # Tied embeddings are saved once; anything else missing means the wrong checkpoint.
-    missing = [k for k in missing if "lm_head" not in k]
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {checkpoint} does not match the model: "
-            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+    tied = getattr(parts.policy.config, "tie_word_embeddings", False)
+    try:
+        missing, unexpected = parts.policy.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shape mismatch: another model's checkpoint
+        first = str(err).strip().splitlines()[-1].strip()
+        raise UserError(
+            f"checkpoint {checkpoint} does not fit model.path's model ({first}); resume it "
+            "with the model.path it was trained from"
+        ) from None
+    # A tied output head is saved once, as the embedding; anything else missing is wrong.
+    missing = [k for k in missing if not (tied and k.startswith("lm_head"))]
+    if missing or unexpected or not weights:
+        raise UserError(
+            f"checkpoint {checkpoint} does not fit model.path's model (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}); resume it with the model.path it "
+            "was trained from"
         )
-    if getattr(parts.policy.config, "tie_word_embeddings", False):
+    if tied:
         parts.policy.tie_weights()
-    state = torch.load(checkpoint / TRAINER_STATE, weights_only=False)
+
+
+def load_training_state(parts: Components, checkpoint: Path) -> int:
+    """Restore weights, optimizer, scheduler, RNG and data cursor; return the step."""
+    try:
+        info = json.loads((checkpoint / STATE_JSON).read_text())
+        state = torch.load(checkpoint / TRAINER_STATE, weights_only=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"checkpoint {checkpoint} cannot be read ({err})") from None
+    _load_weights(parts, checkpoint)
     parts.scheduler.load_state_dict(state["scheduler"])
     if "optimizer" in state:
         parts.optimizer.load_state_dict(state["optimizer"])
+    # The optimizer's own lr is the scheduler's last value (not restored by LambdaLR).
+    for group, lr in zip(parts.optimizer.param_groups, parts.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
     torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     parts.source.load_state_dict(info["data"])
     parts.engine.load_weights(info["step"])
     return int(info["step"])

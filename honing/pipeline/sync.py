@@ -10,11 +10,11 @@ those trained with a recorded 0 (``reward.on_error=zero``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
@@ -36,72 +36,48 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**63)
 
 
-@dataclass
-class RunResult:
-    run_dir: Path
-    first_step: int
-    last_step: int
-    val_history: list[tuple[int, float, dict]] = field(default_factory=list)  # step, time, m
-
-
 class SyncLoop:
     """Runs steps ``start+1 .. total_steps`` of one run."""
 
     def __init__(
-        self,
-        config: Config,
-        parts: Components,
-        logger: RunLogger,
-        checkpoints: CheckpointManager,
-        run_dir: Path,
+        self, config: Config, parts: Components, logger: RunLogger, checkpoints: CheckpointManager
     ):
         self.config = config
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
-        self.run_dir = run_dir
         self.advantage_fn = get_advantage(config.algorithm.advantage)
+        # Each estimator takes the options it declares (grpo: norm_by_std; rloo: none).
+        accepted = inspect.signature(self.advantage_fn).parameters
+        options = {"norm_by_std": config.algorithm.norm_adv_by_std}
+        self.advantage_options = {k: v for k, v in options.items() if k in accepted}
 
-    def run(self, start_step: int) -> RunResult:
+    def run(self, start_step: int) -> None:
         cfg = self.config.trainer
-        result = RunResult(self.run_dir, start_step, start_step)
-        started = time.perf_counter()
         if start_step == 0 and cfg.val_at_start:
-            self._validate(0, result, started)
+            self.logger.log_metrics(0, self._validate())
         for step in range(start_step + 1, cfg.total_steps + 1):
             metrics = self.train_step(step)
             last = step == cfg.total_steps
             if last or (cfg.val_every and step % cfg.val_every == 0):
-                metrics.update(self._validate(step, result, started, log=False))
+                metrics |= self._validate()
             self.logger.log_metrics(step, metrics)
             every = self.config.checkpoint.every
             if last or (every and step % every == 0):
-                save_training_state(
-                    self.checkpoints,
-                    self.parts,
-                    step,
-                    seed=cfg.seed,
-                    save_optimizer=self.config.checkpoint.save_optimizer,
-                )
-            result.last_step = step
-        return result
+                save_training_state(self.checkpoints, self.parts, self.config, step)
 
-    def _validate(self, step: int, result: RunResult, started: float, log: bool = True):
-        parts, rollout = self.parts, self.config.rollout
+    def _validate(self) -> dict[str, float]:
+        parts = self.parts
         sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
-        metrics = validate(
+        return validate(
             parts.engine,
             parts.scorer,
             parts.val_prompts,
             parts.prompt_ids,
             parts.rendered,
             sampling,
-            rollout.val_samples,
+            self.config.rollout.val_samples,
         )
-        result.val_history.append((step, time.perf_counter() - started, metrics))
-        if log:
-            self.logger.log_metrics(step, metrics)
-        return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         parts, cfg = self.parts, self.config
@@ -120,11 +96,22 @@ class SyncLoop:
             for r, s in zip(rollouts, scores, strict=True)
             if s.ok or cfg.reward.on_error != "drop"
         ]
-        metrics = self._rollout_metrics(rollouts, scores, len(kept))
-        if not kept:
+        metrics = self._rollout_metrics(rollouts, scores)
+        if kept:
+            metrics |= self._update(step, [r for r, _ in kept], [s.reward for _, s in kept])
+        else:
+            metrics["samples/trained"] = 0
             self.logger.log_event("skipped_step", step=step, reason="every sample failed scoring")
-            return metrics | {"timing_s/step": time.perf_counter() - t0}
-        metrics |= self._update(step, [r for r, _ in kept], [s.reward for _, s in kept])
+        if metrics.get("actor/skipped_updates"):
+            self.logger.log_event(
+                "skipped_update",
+                step=step,
+                count=metrics["actor/skipped_updates"],
+                reason="non-finite gradient norm",
+            )
+        # DESIGN.md's invariant: every generated sample is trained, or failed with a reason.
+        if metrics["samples/generated"] != metrics["samples/trained"] + metrics["samples/failed"]:
+            raise RuntimeError(f"sample accounting broken at step {step}: {metrics}")
         parts.scheduler.step()
         parts.engine.load_weights(step)
         t_end = time.perf_counter()
@@ -144,11 +131,13 @@ class SyncLoop:
         batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
         scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
         group_ids = torch.tensor([r.group_index for r in rollouts], device=parts.device)
-        algo = self.config.algorithm
         advantages, _ = self.advantage_fn(
-            scores, batch.response_mask, group_ids, norm_by_std=algo.norm_adv_by_std
+            scores, batch.response_mask, group_ids, **self.advantage_options
         )  # [N, R]
-        metrics = {"critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum())}
+        metrics = {
+            "critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum()),
+            "samples/trained": len(batch),
+        }
         ref_logprobs = old_logprobs = None
         with torch.no_grad():
             if parts.reference is not None:
@@ -179,20 +168,19 @@ class SyncLoop:
         metrics["timing_s/prepare"] = t_update - t0
         return metrics
 
-    def _rollout_metrics(self, rollouts: list[Rollout], scores: list[Score], kept: int) -> dict:
+    def _rollout_metrics(self, rollouts: list[Rollout], scores: list[Score]) -> dict:
         rewards = [s.reward for s in scores if math.isfinite(s.reward)]  # what is trained
         lengths = [len(r.response_ids) for r in rollouts]
         latencies = self.parts.scorer.last_latencies_ms
-        dropped = len(rollouts) - kept
+        errors = sum(not s.ok for s in scores)
         metrics = {
             "response_length/mean": statistics.fmean(lengths),
             "response_length/max": max(lengths),
             "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts)
             / len(rollouts),
             "samples/generated": len(rollouts),
-            "samples/trained": kept,
-            "samples/failed": dropped,
-            "samples/score_errors": sum(not s.ok for s in scores),
+            "samples/failed": errors if self.config.reward.on_error == "drop" else 0,
+            "samples/score_errors": errors,
             "reward/latency_p99_ms": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
         }
         if rewards:
@@ -201,13 +189,6 @@ class SyncLoop:
                 "critic/score/max": max(rewards),
                 "critic/score/min": min(rewards),
             }
-        # DESIGN.md's invariant: every generated sample is trained, or failed with a reason.
-        failed_and_dropped = sum(not math.isfinite(s.reward) for s in scores)
-        if dropped != failed_and_dropped:
-            raise RuntimeError(
-                f"sample accounting broken: {len(rollouts)} generated, {kept} "
-                f"trained, {failed_and_dropped} failed"
-            )
         return metrics
 
     def _log_samples(self, step: int, rollouts: list[Rollout], scores: list[Score]) -> None:

@@ -33,6 +33,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """EOS of the tokenizer and of the model's generation config (chat models often end a turn
+    with a token other than the tokenizer's EOS, e.g. ``<|im_end|>``)."""
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else [])
+    return {int(i) for i in ids if i is not None}
+
+
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -54,6 +64,7 @@ class TransformersEngine:
         self.device = device
         self.generation_batch = generation_batch
         self.weight_version = 0
+        self.stop_ids = stop_token_ids(model, tokenizer)
         # transformers 5.x calls the KV cache argument `cache`; 4.x called it `past_key_values`.
         forward_args = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -85,7 +96,8 @@ class TransformersEngine:
         self, chunk: list[GenerationRequest], params: SamplingParams, generator: torch.Generator
     ) -> list[Rollout]:
         started = time.perf_counter()
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        pad = self.tokenizer.pad_token_id
+        stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         ids, mask = _left_pad([r.prompt_ids for r in chunk], pad)
         ids, mask = ids.to(self.device), mask.to(self.device)  # [B, P]
         budget = torch.tensor(
@@ -104,7 +116,7 @@ class TransformersEngine:
             token = torch.where(done, torch.full_like(token, pad), token)
             tokens.append(token)
             logprobs.append(logprob)
-            done = done | (token == eos) | (t + 1 >= budget)
+            done = done | torch.isin(token, stop) | (t + 1 >= budget)
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
@@ -140,14 +152,14 @@ class TransformersEngine:
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
     def _to_rollouts(self, chunk, token_rows, logprob_rows, budgets, seconds) -> list[Rollout]:
-        eos = self.tokenizer.eos_token_id
         rollouts = []
         for request, row, logps, budget in zip(
             chunk, token_rows, logprob_rows, budgets, strict=True
         ):
             row = row[:budget]  # later columns are padding from rows still generating
-            if eos in row:
-                end, reason = row.index(eos) + 1, "stop"
+            end = next((i + 1 for i, tok in enumerate(row) if tok in self.stop_ids), None)
+            if end is not None:
+                reason = "stop"
             else:
                 end, reason = len(row), "length"
             response = row[:end]

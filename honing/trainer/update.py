@@ -8,6 +8,7 @@ one host sync per step, not one per micro-batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,10 @@ def micro_step(
     settings: UpdateSettings,
 ) -> dict[str, torch.Tensor]:
     """Forward + backward of one micro-batch; returns its (detached) metric contributions."""
-    num_tokens, num_seqs = counts
+    # Normalisers of the whole mini-batch (and the whole batch's response width), so that
+    # any micro-batch split gives the same gradient.
+    num_tokens, num_seqs, scale_len = counts
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_len": scale_len}
     logprobs, entropy = response_logprobs(
         model,
         micro,
@@ -77,6 +81,7 @@ def micro_step(
         loss_agg=settings.loss_agg,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
+        loss_scale_len=scale_len,
     )
     share = mask.sum() / num_tokens  # this micro-batch's part of the mini-batch's tokens
     out = {k: v * share for k, v in metrics.items() if k != "actor/pg_loss"}
@@ -85,14 +90,12 @@ def micro_step(
     if settings.kl_coef > 0:
         # KL to the frozen reference as a loss term (k3: http://joschu.net/blog/kl-approx.html).
         kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)  # [b, R]
-        kl_loss = aggregate_loss(
-            kl, mask, settings.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs
-        )
+        kl_loss = aggregate_loss(kl, mask, settings.loss_agg, **norm)
         loss = loss + settings.kl_coef * kl_loss
         out["actor/kl_loss"] = kl_loss.detach()
     if settings.entropy_coef > 0:  # entropy bonus: subtracting it rewards exploration
         loss = loss - settings.entropy_coef * aggregate_loss(
-            entropy, mask, settings.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs
+            entropy, mask, settings.loss_agg, **norm
         )
     loss.backward()
     return out
@@ -116,6 +119,9 @@ def update_policy(
 ) -> dict[str, float]:
     """Run the PPO epochs on ``batch``; returns the step's actor metrics as floats.
 
+    An optimizer step whose gradient norm is not finite is skipped (counted in
+    ``actor/skipped_updates``) rather than let NaN into the weights.
+
     ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are [B, R] aligned with
     ``batch.responses``. ``old_logprobs`` may be None only for one optimizer step per batch.
     """
@@ -123,10 +129,10 @@ def update_policy(
     model.train()
     totals: dict[str, torch.Tensor] = {}
     grad_norms = []
-    optimizer_steps = 0
+    optimizer_steps = skipped = 0
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
-        counts = (num_tokens, float(len(index)))
+        counts = (num_tokens, float(len(index)), float(batch.responses.shape[1]))
         optimizer.zero_grad(set_to_none=True)
         for micro_index in torch.split(index, settings.micro_batch_size):
             micro = batch.select(micro_index)
@@ -148,9 +154,15 @@ def update_policy(
             norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in model.parameters() if p.grad is not None]
             )
+        optimizer_steps += 1
+        if not torch.isfinite(norm):  # one host sync per optimizer step, not per micro-batch
+            # A NaN/inf gradient would poison every weight through Adam: skip this update.
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
         grad_norms.append(norm)
         optimizer.step()
-        optimizer_steps += 1
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
-    metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
+    metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
+    metrics["actor/skipped_updates"] = skipped
     return metrics

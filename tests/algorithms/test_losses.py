@@ -67,13 +67,18 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
         ("seq_mean_token_sum", {"num_seqs": 4}, 1.75),  # 7 / 4
         ("seq_mean_token_mean", {}, 2.75),  # (1.5 + 4) / 2 seqs
         ("seq_mean_token_mean", {"num_seqs": 4.0}, 1.375),  # 5.5 / 4
+        ("seq_mean_token_sum_norm", {}, 7.0 / 6.0),  # 7 / (2 seqs * 3 columns)
+        ("seq_mean_token_sum_norm", {"num_seqs": 4, "loss_scale_len": 7}, 0.25),  # 7 / 28
+        ("seq_mean_token_sum_norm", {"loss_scale_len": torch.tensor(10.0)}, 0.35),  # 7 / 20
     ],
 )
 def test_aggregate_loss_by_hand(mode, counts, expected):
     assert aggregate_loss(LOSS_MAT, MASK, mode, **counts) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+@pytest.mark.parametrize(
+    "mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 def test_aggregate_loss_of_empty_mask_is_zero(mode):
     loss = aggregate_loss(LOSS_MAT, torch.zeros_like(MASK), mode)
     assert loss == 0.0
@@ -86,7 +91,7 @@ def test_unknown_aggregation_names_the_choices():
 
 # --- micro-batch equivalence -----------------------------------------------------------------
 
-MODES = ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+MODES = ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LENGTHS = torch.tensor([5, 1, 3, 4, 2, 1])  # response lengths of a 6-sequence mini-batch
 SPLITS = [[6], [2, 4], [1, 3, 2]]  # micro-batch sizes: one, two and three uneven pieces
 
@@ -106,7 +111,8 @@ def _loss_mat(weights, targets):
 def _accumulate(mode, split, use_global_counts):
     """Backprops each micro-batch (trimmed to its own longest response) and sums."""
     weights, targets, mask = _mini_batch()
-    counts = {"num_tokens": mask.sum(), "num_seqs": mask.shape[0]} if use_global_counts else {}
+    global_counts = {"num_tokens": mask.sum(), "num_seqs": mask.shape[0], "loss_scale_len": 5}
+    counts = global_counts if use_global_counts else {}
     total = torch.zeros(())
     for rows in torch.arange(6).split(split):
         width = int(LENGTHS[rows].max())
@@ -211,6 +217,69 @@ def test_ppo_clip_passes_aggregation_and_counts_through():
     assert loss.detach() == pytest.approx(0.6)
 
 
+# Dual-clip with clip_ratio_c = 3 (old_logprobs = 0, clip range [0.8, 1.2], six valid tokens):
+#   A = -1, r = 5:   max(5, 1.2) = 5,  min(5, 3) = 3      dual clip active
+#   A = -1, r = 4:   max(4, 1.2) = 4,  min(4, 3) = 3      dual clip active
+#   A = -1, r = 2:   max(2, 1.2) = 2,  min(2, 3) = 2
+#   A = -1, r = 0.5: max(0.5, 0.8) = 0.8                   clipped (lower side), not dual
+#   A = +1, r = 5:   max(-5, -1.2) = -1.2                  clipped; A > 0 has no dual clip
+#   A = +1, r = 0.5: max(-0.5, -0.8) = -0.5
+# A seventh, masked token (A = -1, r = 50) must not count.
+DUAL_RATIOS = torch.tensor([[5.0, 4.0, 2.0, 0.5, 5.0, 0.5, 50.0]])
+DUAL_ADVANTAGES = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0]])
+DUAL_MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+
+
+def _dual(**options):
+    logprobs = torch.log(DUAL_RATIOS).requires_grad_()
+    loss, metrics = ppo_clip(logprobs, torch.zeros(1, 7), DUAL_ADVANTAGES, DUAL_MASK, **options)
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+def test_dual_clip_loss_metrics_and_gradient_by_hand():
+    loss, metrics, grad = _dual(clip_ratio_c=3.0)
+    # (3 + 3 + 2 + 0.8 - 1.2 - 0.5) / 6 = 7.1 / 6 = 1.183333
+    assert loss.detach() == pytest.approx(7.1 / 6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 6)  # r = 0.5 (A < 0), r = 5 (A > 0)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(2 / 6)  # dual clip: r = 5, 4
+    # The dual-clipped loss -A * c is constant: no gradient there. Unclipped tokens give
+    # -A * r / 6: r = 2 -> 2 / 6 = 0.333333; A = +1, r = 0.5 -> -0.5 / 6 = -0.083333.
+    expected = torch.tensor([[0.0, 0.0, 2 / 6, 0.0, 0.0, -0.5 / 6, 0.0]])
+    torch.testing.assert_close(grad, expected)
+
+
+def test_without_dual_clip_large_ratios_keep_their_loss_and_gradient():
+    # Control: (5 + 4 + 2 + 0.8 - 1.2 - 0.5) / 6 = 10.1 / 6; clipfrac_lower keeps its meaning,
+    # r < 0.8 with A < 0: one token. Gradients 5 / 6 and 4 / 6 on the first two tokens.
+    loss, metrics, grad = _dual()
+    assert loss.detach() == pytest.approx(10.1 / 6)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 6)
+    expected = torch.tensor([[5 / 6, 4 / 6, 2 / 6, 0.0, 0.0, -0.5 / 6, 0.0]])
+    torch.testing.assert_close(grad, expected)
+
+
+def test_dual_clip_bound_above_the_ratios_changes_nothing():
+    # c = 10 exceeds every valid ratio, so min(L, 10) = L: same loss as without dual-clip,
+    # and no token counts as dual-clipped.
+    loss, metrics, _ = _dual(clip_ratio_c=10.0)
+    assert loss.detach() == pytest.approx(10.1 / 6)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_dual_clip_rejects_a_bound_not_above_one():
+    with pytest.raises(ValueError, match="clip_ratio_c must be greater than 1"):
+        _dual(clip_ratio_c=1.0)
+
+
+def test_ppo_clip_passes_loss_scale_len_through():
+    # seq_mean_token_sum_norm: 0.6 summed / (1 seq * 4) = 0.15; with loss_scale_len 10: 0.06.
+    loss, _, _ = _ppo(loss_agg="seq_mean_token_sum_norm", loss_scale_len=4)
+    assert loss.detach() == pytest.approx(0.15)
+    loss, _, _ = _ppo(loss_agg="seq_mean_token_sum_norm", loss_scale_len=10)
+    assert loss.detach() == pytest.approx(0.06)
+
+
 def test_ppo_clip_clamps_log_ratio_before_exp():
     # exp(100) overflows float32 to inf; clamped at 20, the loss is exp(20) = 4.85e8.
     loss, _ = ppo_clip(
@@ -229,8 +298,10 @@ def test_ppo_clip_rejects_unknown_options():
 
 def test_policy_loss_registry():
     assert get_policy_loss("ppo_clip") is ppo_clip
-    with pytest.raises(ValueError, match="unknown policy loss 'gspo'; choose one of: ppo_clip"):
-        get_policy_loss("gspo")
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'reinforce'; choose one of: cispo, gspo, ppo_clip"
+    ):
+        get_policy_loss("reinforce")
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("ppo_clip")(ppo_clip)
     assert POLICY_LOSSES["ppo_clip"] is ppo_clip

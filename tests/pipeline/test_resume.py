@@ -69,10 +69,14 @@ def runs(micro_model_dir, digit_reward, tmp_path_factory):
     return dir_a, dir_b, first_b, second_b
 
 
-def test_resumed_run_starts_after_the_checkpoint(runs):
-    _, _, first_b, second_b = runs
-    assert (first_b.first_step, first_b.last_step) == (0, 4)
-    assert (second_b.first_step, second_b.last_step) == (3, 6)
+def test_summary_of_a_resumed_run_covers_the_whole_run(runs):
+    dir_a, _, first_b, second_b = runs
+    assert (first_b["first_step"], first_b["last_step"]) == (0, 4)
+    # The resumed run reports from the run's true start (step 0), not from the resume point.
+    assert (second_b["first_step"], second_b["last_step"]) == (0, 6)
+    summary_a = json.loads((dir_a / "summary.json").read_text())
+    assert second_b["val_accuracy_start"] == summary_a["val_accuracy_start"]
+    assert second_b["val_accuracy_end"] == summary_a["val_accuracy_end"]
 
 
 def test_resumed_run_ends_with_the_same_weights(runs, micro_model_dir):

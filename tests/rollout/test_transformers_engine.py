@@ -261,3 +261,14 @@ def test_sampling_respects_top_k(engine, model, tokenizer):
             two = logits[start + r, top2].log_softmax(-1)
             expected = two[top2.index(token)]
             assert rollout.behaviour_logprobs[r] == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_stops_on_generation_config_eos_too(micro_model_dir):
+    """Chat models end a turn with a token that is not the tokenizer's EOS (e.g. <|im_end|>)."""
+    from honing.models.loading import load_causal_lm, load_tokenizer
+    from honing.rollout.transformers_engine import stop_token_ids
+
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=torch.device("cpu"))
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 42]
+    assert stop_token_ids(model, tokenizer) == {tokenizer.eos_token_id, 42}
