@@ -8,6 +8,7 @@ EOS) cannot hide a token from the loss.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -71,18 +72,19 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
         attention[i, width_p - p : width_p + n] = 1
         behaviour[i, :n] = torch.tensor(r.behaviour_logprobs)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    batch = TrainBatch(
-        input_ids,
-        attention,
-        positions,
-        input_ids[:, width_p:],
-        attention[:, width_p:].float(),
-        behaviour,
-        width_p,
-    )
     return TrainBatch(
-        *(t.to(device) for t in vars(batch).values() if torch.is_tensor(t)), prompt_width=width_p
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=positions.to(device),
+        responses=input_ids[:, width_p:].to(device),
+        response_mask=attention[:, width_p:].float().to(device),
+        behaviour_logprobs=behaviour.to(device),
+        prompt_width=width_p,
     )
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def response_logprobs(
@@ -99,15 +101,20 @@ def response_logprobs(
     the engine sampled from (as verl does). The entropy carries a gradient only when
     ``entropy_grad`` (an entropy bonus); as a metric it is computed on detached logits.
     """
+    width = batch.responses.shape[1]
+    # Only the last R + 1 positions' logits are needed: with a large vocabulary the prompt's
+    # logits would dominate memory.
+    keep = {"logits_to_keep": width + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        **keep,
     ).logits
-    width = batch.responses.shape[1]
     # Column P + r - 1 predicts response token r.
-    logits = logits[:, batch.prompt_width - 1 : batch.prompt_width - 1 + width].float()
+    start = logits.shape[1] - width - 1
+    logits = logits[:, start : start + width].float()  # [B, R, V]
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, batch.responses)  # [B, R]
