@@ -90,6 +90,8 @@ class RewardConfig:
     on_error: str = _opt("error", choices=("error", "zero", "drop"))
     endpoint: str = _opt("")  # URL of a verifier service (VERIFIER_ENDPOINT)
     timeout_s: float = _opt(30.0, gt=0.0)
+    overlong_buffer_len: int = _opt(0, ge=0)  # DAPO soft overlong penalty window (0 = off)
+    overlong_penalty_factor: float = _opt(1.0, ge=0.0)  # penalty at max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,14 @@ class AlgorithmConfig:
     loss_agg: str = _opt("token_mean")
     clip_ratio_low: float = _opt(0.2, ge=0.0, le=1.0)
     clip_ratio_high: float = _opt(0.2, ge=0.0)
+    clip_ratio_c: float = _opt(0.0, ge=0.0)  # dual-clip bound for A < 0 (> 1), 0 = off
     norm_adv_by_std: bool = _opt(True)
     kl_coef: float = _opt(0.0, ge=0.0)  # 0 = no reference model is loaded
     kl_estimator: str = _opt("k3", choices=("k1", "k2", "k3"))
     entropy_coef: float = _opt(0.0, ge=0.0)
+    dynamic_sampling: bool = _opt(False)  # DAPO: drop groups whose rewards are all equal
+    max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling
+    mask_truncated: bool = _opt(False)  # no gradient from responses cut at max_new_tokens
 
 
 @dataclass(frozen=True)

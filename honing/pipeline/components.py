@@ -163,6 +163,8 @@ def update_settings(config: Config) -> UpdateSettings:
         micro_batch_size=trainer.micro_batch_size,
         grad_clip=trainer.grad_clip,
         temperature=config.rollout.temperature,
+        clip_ratio_c=algo.clip_ratio_c,
+        loss_scale_len=config.rollout.max_new_tokens,
     )
 
 
@@ -192,6 +194,17 @@ def check_names(config: Config) -> None:
             f"algorithm.advantage: {config.algorithm.advantage} needs {needs}, which the loop "
             "does not build yet; choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
             "reinforce_plus_plus_baseline"
+        )
+    if 0 < config.algorithm.clip_ratio_c <= 1:
+        raise ConfigError(
+            "algorithm.clip_ratio_c: the dual-clip bound must be > 1 (e.g. 3), or 0 for off"
+        )
+    if config.algorithm.clip_ratio_c and config.algorithm.policy_loss != "ppo_clip":
+        raise ConfigError("algorithm.clip_ratio_c: dual clip applies to ppo_clip only")
+    if config.reward.overlong_buffer_len >= config.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer_len: {config.reward.overlong_buffer_len} must be less "
+            f"than rollout.max_new_tokens={config.rollout.max_new_tokens}"
         )
     if config.algorithm.advantage == "grpo" and config.rollout.group_size < 2:
         raise ConfigError(

@@ -11,7 +11,6 @@ those trained with a recorded 0 (``reward.on_error=zero``).
 from __future__ import annotations
 
 import inspect
-import math
 import statistics
 import time
 from dataclasses import replace
@@ -22,10 +21,10 @@ from honing.algorithms import get_advantage
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
 from honing.monitor import RunLogger
+from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.state import save_training_state
-from honing.rollout.base import GenerationRequest
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.update import update_policy
 from honing.types import Rollout, Score
@@ -82,26 +81,20 @@ class SyncLoop:
     def train_step(self, step: int) -> dict[str, float]:
         parts, cfg = self.parts, self.config
         t0 = time.perf_counter()
-        prompts = parts.source.next_batch()
-        requests = [
-            GenerationRequest(p.id, parts.prompt_ids[p.id], i) for i, p in enumerate(prompts)
-        ]
-        sampling = replace(parts.train_sampling, seed=step_seed(cfg.trainer.seed, step))
-        rollouts = parts.engine.generate(requests, sampling)
-        t_gen = time.perf_counter()
-        scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
-        t_reward = time.perf_counter()
-        kept = [
-            (r, s)
-            for r, s in zip(rollouts, scores, strict=True)
-            if s.ok or cfg.reward.on_error != "drop"
-        ]
-        metrics = self._rollout_metrics(rollouts, scores)
-        if kept:
-            metrics |= self._update(step, [r for r, _ in kept], [s.reward for _, s in kept])
+        got = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step))
+        metrics = self._rollout_metrics(got)
+        if got.kept:
+            metrics |= self._update(step, [r for r, _ in got.kept], [s.reward for _, s in got.kept])
         else:
             metrics["samples/trained"] = 0
-            self.logger.log_event("skipped_step", step=step, reason="every sample failed scoring")
+            self.logger.log_event("skipped_step", step=step, reason="no usable group to train on")
+        if got.rounds > 1 and len({r.group_index for r, _ in got.kept}) < cfg.rollout.batch_size:
+            self.logger.log_event(
+                "short_batch",
+                step=step,
+                rounds=got.rounds,
+                reason="dynamic sampling ran out of generation rounds",
+            )
         if metrics.get("actor/skipped_updates"):
             self.logger.log_event(
                 "skipped_update",
@@ -109,21 +102,30 @@ class SyncLoop:
                 count=metrics["actor/skipped_updates"],
                 reason="non-finite gradient norm",
             )
-        # DESIGN.md's invariant: every generated sample is trained, or failed with a reason.
-        if metrics["samples/generated"] != metrics["samples/trained"] + metrics["samples/failed"]:
-            raise RuntimeError(f"sample accounting broken at step {step}: {metrics}")
+        metrics["samples/filtered"] += metrics.get("samples/filtered_truncated", 0)
+        self._check_accounting(step, metrics)
         parts.scheduler.step()
         parts.engine.load_weights(step)
         t_end = time.perf_counter()
-        tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in got.rollouts)
         metrics |= {
-            "timing_s/gen": t_gen - t0,
-            "timing_s/reward": t_reward - t_gen,
+            "timing_s/gen": got.gen_seconds,
+            "timing_s/reward": got.reward_seconds,
             "timing_s/step": t_end - t0,
             "perf/throughput": tokens / (t_end - t0),
         }
-        self._log_samples(step, rollouts, scores)
+        self._log_samples(step, got.rollouts, got.scores)
         return metrics
+
+    @staticmethod
+    def _check_accounting(step: int, metrics: dict) -> None:
+        """DESIGN.md's invariant: every generated sample is trained, filtered or failed."""
+        parts = ("samples/trained", "samples/filtered", "samples/failed")
+        if metrics["samples/generated"] != sum(metrics[k] for k in parts):
+            raise RuntimeError(
+                f"sample accounting broken at step {step}: "
+                f"{ {k: v for k, v in metrics.items() if 'samples/' in k} }"
+            )
 
     def _update(self, step: int, rollouts: list[Rollout], rewards: list[float]) -> dict:
         parts, settings = self.parts, self.parts.update
@@ -134,9 +136,17 @@ class SyncLoop:
         advantages, _ = self.advantage_fn(
             scores, batch.response_mask, group_ids, **self.advantage_options
         )  # [N, R]
-        metrics = {
-            "critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum()),
-            "samples/trained": len(batch),
+        metrics = {"critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum())}
+        truncated = 0
+        if self.config.algorithm.mask_truncated:
+            # DAPO's overlong filtering: a cut-off answer counts in its group's baseline but
+            # gives no gradient (its reward says little about the tokens it did produce).
+            cut = torch.tensor([r.finish_reason == "length" for r in rollouts], device=parts.device)
+            batch.response_mask[cut] = 0.0
+            truncated = int(cut.sum())
+        metrics |= {
+            "samples/trained": len(batch) - truncated,
+            "samples/filtered_truncated": truncated,
         }
         ref_logprobs = old_logprobs = None
         with torch.no_grad():
@@ -168,21 +178,24 @@ class SyncLoop:
         metrics["timing_s/prepare"] = t_update - t0
         return metrics
 
-    def _rollout_metrics(self, rollouts: list[Rollout], scores: list[Score]) -> dict:
-        rewards = [s.reward for s in scores if math.isfinite(s.reward)]  # what is trained
+    def _rollout_metrics(self, got: Collected) -> dict:
+        rollouts, scores = got.rollouts, got.scores
+        rewards = [s.reward for _, s in got.kept]  # what is trained
         lengths = [len(r.response_ids) for r in rollouts]
-        latencies = self.parts.scorer.last_latencies_ms
-        errors = sum(not s.ok for s in scores)
+        latencies = sorted(got.latencies_ms)
         metrics = {
             "response_length/mean": statistics.fmean(lengths),
             "response_length/max": max(lengths),
             "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts)
             / len(rollouts),
             "samples/generated": len(rollouts),
-            "samples/failed": errors if self.config.reward.on_error == "drop" else 0,
-            "samples/score_errors": errors,
-            "reward/latency_p99_ms": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
+            "samples/failed": got.failed,
+            "samples/filtered": sum(got.filtered.values()),
+            "samples/score_errors": sum(not s.ok for s in scores),
+            "samples/gen_rounds": got.rounds,
+            "reward/latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))],
         }
+        metrics |= {f"samples/filtered_{reason}": n for reason, n in got.filtered.items()}
         if rewards:
             metrics |= {
                 "critic/score/mean": statistics.fmean(rewards),
@@ -208,7 +221,7 @@ class SyncLoop:
                     **{
                         k: v
                         for k, v in scores[i].details.items()
-                        if k in ("extracted", "verdict", "error")
+                        if k in ("extracted", "verdict", "error", "overlong_penalty")
                     },
                 }
                 for i in picked

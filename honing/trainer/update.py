@@ -8,6 +8,7 @@ one host sync per step, not one per micro-batch.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ class UpdateSettings:
     micro_batch_size: int = 64
     grad_clip: float = 1.0
     temperature: float = 1.0
+    clip_ratio_c: float = 0.0  # dual clip (ppo_clip only); 0 = off
+    loss_scale_len: int = 0  # seq_mean_token_sum_norm's constant length; 0 = batch width
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
@@ -45,6 +48,19 @@ def mini_batches(size: int, settings: UpdateSettings, generator: torch.Generator
     for _ in range(settings.ppo_epochs):
         order = torch.randperm(size, generator=generator) if mini < size else torch.arange(size)
         yield from torch.split(order, mini)
+
+
+def policy_loss_options(settings: UpdateSettings) -> dict:
+    """The loss's keyword options from the settings, limited to those it declares."""
+    options = {
+        "clip_ratio_low": settings.clip_ratio_low,
+        "clip_ratio_high": settings.clip_ratio_high,
+        "loss_agg": settings.loss_agg,
+    }
+    if settings.clip_ratio_c:
+        options["clip_ratio_c"] = settings.clip_ratio_c
+    accepted = inspect.signature(get_policy_loss(settings.policy_loss)).parameters
+    return {k: v for k, v in options.items() if k in accepted}
 
 
 def micro_step(
@@ -72,16 +88,7 @@ def micro_step(
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     mask = micro.response_mask
     loss, metrics = get_policy_loss(settings.policy_loss)(
-        logprobs,
-        old,
-        advantages,
-        mask,
-        clip_ratio_low=settings.clip_ratio_low,
-        clip_ratio_high=settings.clip_ratio_high,
-        loss_agg=settings.loss_agg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        loss_scale_len=scale_len,
+        logprobs, old, advantages, mask, **policy_loss_options(settings), **norm
     )
     share = mask.sum() / num_tokens  # this micro-batch's part of the mini-batch's tokens
     out = {k: v * share for k, v in metrics.items() if k != "actor/pg_loss"}
@@ -132,7 +139,8 @@ def update_policy(
     optimizer_steps = skipped = 0
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
-        counts = (num_tokens, float(len(index)), float(batch.responses.shape[1]))
+        scale_len = settings.loss_scale_len or batch.responses.shape[1]
+        counts = (num_tokens, float(len(index)), float(scale_len))
         optimizer.zero_grad(set_to_none=True)
         for micro_index in torch.split(index, settings.micro_batch_size):
             micro = batch.select(micro_index)

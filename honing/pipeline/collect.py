@@ -1,0 +1,107 @@
+"""Collect one step's training groups: generate, score, shape, and filter.
+
+With DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476, section 3.2) a group whose
+rewards are all equal has zero advantage under group baselines and teaches nothing: it is
+dropped and more prompts are generated, until ``batch_size`` groups are kept or
+``max_gen_rounds`` rounds have run (then the step trains on the groups it has, and says so).
+
+Every generated sample ends up in exactly one of: kept (trained), filtered (with a reason:
+``uniform_group``), failed (its score failed and ``reward.on_error=drop``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from honing.config import Config
+from honing.pipeline.components import Components
+from honing.rewards.shaping import overlong_penalty
+from honing.rollout.base import GenerationRequest
+from honing.types import Rollout, Score
+
+
+@dataclass
+class Collected:
+    """All rollouts of the step (for metrics and samples) and the ones to train on."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    scores: list[Score] = field(default_factory=list)
+    kept: list[tuple[Rollout, Score]] = field(default_factory=list)
+    failed: int = 0
+    filtered: Counter = field(default_factory=Counter)  # reason -> samples
+    rounds: int = 0
+    gen_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+
+
+def _is_uniform(scores: list[Score]) -> bool:
+    rewards = [s.reward for s in scores]
+    return max(rewards) - min(rewards) < 1e-9
+
+
+def collect(config: Config, parts: Components, step: int, seed: int) -> Collected:
+    """Generate and score groups for ``step``; ``seed`` seeds round 0 (round r: seed + r)."""
+    algo, rollout = config.algorithm, config.rollout
+    out = Collected()
+    rounds = algo.max_gen_rounds if algo.dynamic_sampling else 1
+    groups_kept = 0
+    while out.rounds < rounds and groups_kept < rollout.batch_size:
+        prompts = parts.source.next_batch()
+        base = out.rounds * rollout.batch_size  # group ids stay unique across rounds
+        requests = [
+            GenerationRequest(p.id, parts.prompt_ids[p.id], base + i) for i, p in enumerate(prompts)
+        ]
+        t0 = time.perf_counter()
+        sampling = replace(parts.train_sampling, seed=seed + out.rounds)
+        rollouts = parts.engine.generate(requests, sampling)
+        t1 = time.perf_counter()
+        scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
+        out.latencies_ms += parts.scorer.last_latencies_ms
+        out.reward_seconds += time.perf_counter() - t1
+        out.gen_seconds += t1 - t0
+        out.rounds += 1
+        _shape(config, rollouts, scores)
+        out.rollouts += rollouts
+        out.scores += scores
+        for group in _groups(rollouts, scores):
+            usable = [(r, s) for r, s in group if math.isfinite(s.reward)]
+            out.failed += len(group) - len(usable)
+            if algo.dynamic_sampling and (
+                groups_kept >= rollout.batch_size
+                or (usable and _is_uniform([s for _, s in usable]))
+            ):
+                out.filtered[
+                    "uniform_group" if groups_kept < rollout.batch_size else "batch_full"
+                ] += len(usable)
+                continue
+            out.kept += usable
+            groups_kept += bool(usable)
+    return out
+
+
+def _groups(rollouts: list[Rollout], scores: list[Score]):
+    by_group: dict[int, list] = {}
+    for r, s in zip(rollouts, scores, strict=True):
+        by_group.setdefault(r.group_index, []).append((r, s))
+    return by_group.values()
+
+
+def _shape(config: Config, rollouts: list[Rollout], scores: list[Score]) -> None:
+    """Add DAPO's overlong penalty to each finite reward (recorded in the details)."""
+    reward = config.reward
+    if reward.overlong_buffer_len <= 0:
+        return
+    for r, s in zip(rollouts, scores, strict=True):
+        penalty = overlong_penalty(
+            len(r.response_ids),
+            config.rollout.max_new_tokens,
+            reward.overlong_buffer_len,
+            reward.overlong_penalty_factor,
+        )
+        if penalty and math.isfinite(s.reward):
+            s.reward += penalty
+            s.details["overlong_penalty"] = penalty
