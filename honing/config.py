@@ -109,6 +109,9 @@ class AlgorithmConfig:
     dynamic_sampling: bool = _opt(False)  # DAPO: drop groups whose rewards are all equal
     max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling
     mask_truncated: bool = _opt(False)  # no gradient from responses cut at max_new_tokens
+    # Truncated importance sampling against the engine/trainer gap: min(pi_old / mu, tis_cap).
+    tis_level: str = _opt("none", choices=("none", "token", "sequence"))
+    tis_cap: float = _opt(2.0, gt=0.0)
 
 
 @dataclass(frozen=True)

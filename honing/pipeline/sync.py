@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from honing.algorithms import get_advantage
+from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
 from honing.monitor import RunLogger
@@ -156,10 +157,21 @@ class SyncLoop:
                     parts.reference, batch, temperature=settings.temperature
                 )
                 metrics["timing_s/ref"] = time.perf_counter() - t_ref
-            if settings.optimizer_steps_per_batch(len(batch)) > 1:
-                # Several optimizer steps per batch: freeze the pre-update policy's logprobs.
+            tis = self.config.algorithm.tis_level != "none"
+            if tis or settings.optimizer_steps_per_batch(len(batch)) > 1:
+                # Freeze the pre-update policy's logprobs: several optimizer steps per batch
+                # need them for the ratio, TIS for the engine/trainer gap.
                 old_logprobs, _ = response_logprobs(
                     parts.policy, batch, temperature=settings.temperature
+                )
+        if old_logprobs is not None:
+            mask, behaviour = batch.response_mask, batch.behaviour_logprobs
+            gap = mismatch_metrics(old_logprobs, behaviour, mask)
+            metrics |= {k: float(v) for k, v in gap.items()}
+            if tis:
+                algo = self.config.algorithm
+                advantages = advantages * truncated_importance_weights(
+                    old_logprobs, behaviour, mask, level=algo.tis_level, cap=algo.tis_cap
                 )
         t_update = time.perf_counter()
         generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
