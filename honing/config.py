@@ -105,6 +105,10 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = _opt(True)
     kl_coef: float = _opt(0.0, ge=0.0)  # 0 = no reference model is loaded
     kl_estimator: str = _opt("k3", choices=("k1", "k2", "k3"))
+    kl_in_reward: bool = _opt(False)  # KL as a per-token reward penalty instead of a loss
+    kl_ctrl: str = _opt("fixed", choices=("fixed", "adaptive"))  # the reward penalty's beta
+    kl_target: float = _opt(0.1, gt=0.0)  # adaptive: the KL the controller steers toward
+    kl_horizon: int = _opt(10000, ge=1)  # adaptive: samples over which beta adapts
     entropy_coef: float = _opt(0.0, ge=0.0)
     dynamic_sampling: bool = _opt(False)  # DAPO: drop groups whose rewards are all equal
     max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling

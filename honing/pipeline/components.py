@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from honing.algorithms.kl_control import KLController
 from honing.config import Config
 from honing.data import (
     PromptSource,
@@ -62,6 +63,7 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     update: UpdateSettings
     train_sampling: SamplingParams
+    kl_controller: KLController
     skipped_rows: int
 
 
@@ -155,7 +157,7 @@ def update_settings(config: Config) -> UpdateSettings:
         loss_agg=algo.loss_agg,
         clip_ratio_low=algo.clip_ratio_low,
         clip_ratio_high=algo.clip_ratio_high,
-        kl_coef=algo.kl_coef,
+        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,  # a loss term, or a reward
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
         ppo_epochs=trainer.ppo_epochs,
@@ -205,6 +207,11 @@ def check_names(config: Config) -> None:
         raise ConfigError(
             f"reward.overlong_buffer_len: {config.reward.overlong_buffer_len} must be less "
             f"than rollout.max_new_tokens={config.rollout.max_new_tokens}"
+        )
+    if config.algorithm.kl_in_reward and config.algorithm.kl_coef == 0:
+        raise ConfigError(
+            "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
+            "starting coefficient)"
         )
     if config.algorithm.advantage == "grpo" and config.rollout.group_size < 2:
         raise ConfigError(
@@ -293,4 +300,10 @@ def build_components(config: Config, log=print) -> Components:
             top_p=rollout.top_p,
         ),
         skipped_rows=skipped,
+        kl_controller=KLController(
+            config.algorithm.kl_coef,
+            config.algorithm.kl_ctrl,
+            config.algorithm.kl_target,
+            config.algorithm.kl_horizon,
+        ),
     )

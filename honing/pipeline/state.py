@@ -42,7 +42,12 @@ def save_training_state(
         if config.checkpoint.save_optimizer:
             state["optimizer"] = parts.optimizer.state_dict()
         torch.save(state, directory / TRAINER_STATE)
-        info = {"step": step, "seed": config.trainer.seed, "data": parts.source.state_dict()}
+        info = {
+            "step": step,
+            "seed": config.trainer.seed,
+            "data": parts.source.state_dict(),
+            "kl_coef": parts.kl_controller.value,  # moves under the adaptive controller
+        }
         (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
         (directory / CONFIG_FILE).write_text(dump_yaml(config))
 
@@ -94,5 +99,6 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     parts.source.load_state_dict(info["data"])
+    parts.kl_controller.value = info.get("kl_coef", parts.kl_controller.value)
     parts.engine.load_weights(info["step"])
     return int(info["step"])

@@ -10,23 +10,20 @@ those trained with a recorded 0 (``reward.on_error=zero``).
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import replace
 
 import torch
 
-from honing.algorithms import get_advantage
-from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
 from honing.monitor import RunLogger
 from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
+from honing.pipeline.experience import make_experience
 from honing.pipeline.state import save_training_state
-from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.update import update_policy
 from honing.types import Rollout, Score
 
@@ -46,11 +43,6 @@ class SyncLoop:
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
-        self.advantage_fn = get_advantage(config.algorithm.advantage)
-        # Each estimator takes the options it declares (grpo: norm_by_std; rloo: none).
-        accepted = inspect.signature(self.advantage_fn).parameters
-        options = {"norm_by_std": config.algorithm.norm_adv_by_std}
-        self.advantage_options = {k: v for k, v in options.items() if k in accepted}
 
     def run(self, start_step: int) -> None:
         cfg = self.config.trainer
@@ -131,48 +123,9 @@ class SyncLoop:
     def _update(self, step: int, rollouts: list[Rollout], rewards: list[float]) -> dict:
         parts, settings = self.parts, self.parts.update
         t0 = time.perf_counter()
-        batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
-        scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
-        group_ids = torch.tensor([r.group_index for r in rollouts], device=parts.device)
-        advantages, _ = self.advantage_fn(
-            scores, batch.response_mask, group_ids, **self.advantage_options
-        )  # [N, R]
-        metrics = {"critic/advantages/mean": float(advantages.sum() / batch.response_mask.sum())}
-        truncated = 0
-        if self.config.algorithm.mask_truncated:
-            # DAPO's overlong filtering: a cut-off answer counts in its group's baseline but
-            # gives no gradient (its reward says little about the tokens it did produce).
-            cut = torch.tensor([r.finish_reason == "length" for r in rollouts], device=parts.device)
-            batch.response_mask[cut] = 0.0
-            truncated = int(cut.sum())
-        metrics |= {
-            "samples/trained": len(batch) - truncated,
-            "samples/filtered_truncated": truncated,
-        }
-        ref_logprobs = old_logprobs = None
-        with torch.no_grad():
-            if parts.reference is not None:
-                t_ref = time.perf_counter()
-                ref_logprobs, _ = response_logprobs(
-                    parts.reference, batch, temperature=settings.temperature
-                )
-                metrics["timing_s/ref"] = time.perf_counter() - t_ref
-            tis = self.config.algorithm.tis_level != "none"
-            if tis or settings.optimizer_steps_per_batch(len(batch)) > 1:
-                # Freeze the pre-update policy's logprobs: several optimizer steps per batch
-                # need them for the ratio, TIS for the engine/trainer gap.
-                old_logprobs, _ = response_logprobs(
-                    parts.policy, batch, temperature=settings.temperature
-                )
-        if old_logprobs is not None:
-            mask, behaviour = batch.response_mask, batch.behaviour_logprobs
-            gap = mismatch_metrics(old_logprobs, behaviour, mask)
-            metrics |= {k: float(v) for k, v in gap.items()}
-            if tis:
-                algo = self.config.algorithm
-                advantages = advantages * truncated_importance_weights(
-                    old_logprobs, behaviour, mask, level=algo.tis_level, cap=algo.tis_cap
-                )
+        exp = make_experience(self.config, parts, rollouts, rewards)
+        batch, advantages, metrics = exp.batch, exp.advantages, exp.metrics
+        old_logprobs, ref_logprobs = exp.old_logprobs, exp.ref_logprobs
         t_update = time.perf_counter()
         generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
         metrics |= update_policy(

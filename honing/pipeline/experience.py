@@ -1,0 +1,116 @@
+"""Scored rollouts -> experience: padded tensors, reference / old logprobs, advantages.
+
+The stage between scoring and the update in DESIGN.md's data flow. In order:
+1. collate the rollouts ([N, P + R] inputs, [N, R] response tensors);
+2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``) and the pre-update
+   policy (when several optimizer steps follow, for TIS, or for a KL reward penalty);
+3. with ``kl_in_reward``, each token's reward is ``-beta * KL`` and the score sits on the last
+   token; outcome estimators see the summed token rewards as the score;
+4. advantages by the configured estimator;
+5. DAPO's masking of truncated answers, and TIS weights against the engine/trainer gap.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from honing.algorithms import get_advantage, kl_penalty, masked_mean
+from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
+from honing.config import Config
+from honing.pipeline.components import Components
+from honing.trainer.batch import TrainBatch, collate, response_logprobs
+from honing.types import Rollout
+
+
+@dataclass
+class Experience:
+    batch: TrainBatch
+    advantages: torch.Tensor  # [N, R]
+    old_logprobs: torch.Tensor | None  # [N, R]; None = on-policy shortcut in the update
+    ref_logprobs: torch.Tensor | None  # [N, R]
+    metrics: dict[str, float]
+
+
+def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bool:
+    algo = config.algorithm
+    return (
+        algo.tis_level != "none"
+        or (algo.kl_in_reward and algo.kl_coef > 0)
+        or parts.update.optimizer_steps_per_batch(batch_size) > 1
+    )
+
+
+def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's score on its last response token: [N] -> [N, R]."""
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [N]
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(scores)), last] = scores
+    return rewards * mask
+
+
+def make_experience(
+    config: Config, parts: Components, rollouts: list[Rollout], rewards: list[float]
+) -> Experience:
+    algo, temperature = config.algorithm, parts.update.temperature
+    batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
+    mask = batch.response_mask
+    metrics: dict[str, float] = {}
+    ref_logprobs = old_logprobs = None
+    with torch.no_grad():
+        if parts.reference is not None:
+            started = time.perf_counter()
+            ref_logprobs, _ = response_logprobs(parts.reference, batch, temperature=temperature)
+            metrics["timing_s/ref"] = time.perf_counter() - started
+        if needs_old_logprobs(config, parts, len(batch)):
+            started = time.perf_counter()
+            old_logprobs, _ = response_logprobs(parts.policy, batch, temperature=temperature)
+            metrics["timing_s/old"] = time.perf_counter() - started
+    scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
+    token_rewards = token_level_rewards(scores, mask)  # [N, R]
+    if algo.kl_in_reward and ref_logprobs is not None:
+        kl = kl_penalty(old_logprobs, ref_logprobs, algo.kl_estimator) * mask  # [N, R]
+        token_rewards = token_rewards - parts.kl_controller.value * kl
+        scores = token_rewards.sum(-1)
+        current_kl = float(masked_mean(kl, mask, dim=-1).mean())
+        metrics |= {"critic/kl": current_kl, "actor/kl_coef": parts.kl_controller.value}
+        parts.kl_controller.update(current_kl, len(batch))
+    advantages = _advantages(config, scores, token_rewards, batch, rollouts)
+    metrics["critic/advantages/mean"] = float(advantages.sum() / mask.sum())
+    truncated = 0
+    if algo.mask_truncated:
+        # DAPO's overlong filtering: a cut-off answer counts in its group's baseline but
+        # gives no gradient (its reward says little about the tokens it did produce).
+        cut = torch.tensor([r.finish_reason == "length" for r in rollouts], device=parts.device)
+        batch.response_mask[cut] = 0.0
+        truncated = int(cut.sum())
+    metrics |= {"samples/trained": len(batch) - truncated, "samples/filtered_truncated": truncated}
+    if old_logprobs is not None:
+        behaviour = batch.behaviour_logprobs
+        metrics |= {k: float(v) for k, v in mismatch_metrics(old_logprobs, behaviour, mask).items()}
+        if algo.tis_level != "none":
+            advantages = advantages * truncated_importance_weights(
+                old_logprobs,
+                behaviour,
+                batch.response_mask,
+                level=algo.tis_level,
+                cap=algo.tis_cap,
+            )
+    return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics)
+
+
+def _advantages(config, scores, token_rewards, batch, rollouts) -> torch.Tensor:
+    estimator = get_advantage(config.algorithm.advantage)
+    accepted = inspect.signature(estimator).parameters
+    options = {"norm_by_std": config.algorithm.norm_adv_by_std, "token_rewards": token_rewards}
+    group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
+    advantages, _ = estimator(
+        scores,
+        batch.response_mask,
+        group_ids,
+        **{k: v for k, v in options.items() if k in accepted},
+    )
+    return advantages  # [N, R]
