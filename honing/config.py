@@ -103,6 +103,8 @@ class AlgorithmConfig:
     clip_ratio_high: float = _opt(0.2, ge=0.0)
     clip_ratio_c: float = _opt(0.0, ge=0.0)  # dual-clip bound for A < 0 (> 1), 0 = off
     norm_adv_by_std: bool = _opt(True)
+    gamma: float = _opt(1.0, ge=0.0, le=1.0)  # discount (reinforce_plus_plus; gae)
+    lam: float = _opt(1.0, ge=0.0, le=1.0)  # GAE's lambda (gae)
     kl_coef: float = _opt(0.0, ge=0.0)  # 0 = no reference model is loaded
     kl_estimator: str = _opt("k3", choices=("k1", "k2", "k3"))
     kl_in_reward: bool = _opt(False)  # KL as a per-token reward penalty instead of a loss

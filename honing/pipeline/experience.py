@@ -105,7 +105,13 @@ def make_experience(
 def _advantages(config, scores, token_rewards, batch, rollouts) -> torch.Tensor:
     estimator = get_advantage(config.algorithm.advantage)
     accepted = inspect.signature(estimator).parameters
-    options = {"norm_by_std": config.algorithm.norm_adv_by_std, "token_rewards": token_rewards}
+    algo = config.algorithm
+    options = {
+        "norm_by_std": algo.norm_adv_by_std,
+        "token_rewards": token_rewards,
+        "gamma": algo.gamma,
+        "lam": algo.lam,
+    }
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
     advantages, _ = estimator(
         scores,

@@ -73,3 +73,14 @@ def test_kl_in_reward_needs_a_coefficient(micro_model_dir):
     config = build_config({"model.path": str(micro_model_dir), "algorithm.kl_in_reward": True})
     with pytest.raises(ConfigError, match="kl_coef > 0"):
         build_components(config, log=NO_LOG)
+
+
+def test_discount_reaches_reinforce_plus_plus(tmp_path, micro_model_dir, digit_reward):
+    """gamma < 1 changes the returns of a KL-shaped reward, so the run differs from gamma = 1."""
+    common = {"algorithm.advantage": "reinforce_plus_plus", "trainer.total_steps": 2}
+    plain = run(tmp_path / "a", micro_model_dir, digit_reward, **common)
+    discounted = run(
+        tmp_path / "b", micro_model_dir, digit_reward, **common | {"algorithm.gamma": 0.5}
+    )
+    assert plain[0]["critic/score/mean"] == discounted[0]["critic/score/mean"]  # same samples
+    assert plain[-1]["actor/pg_loss"] != discounted[-1]["actor/pg_loss"]
