@@ -105,6 +105,7 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = _opt(True)
     gamma: float = _opt(1.0, ge=0.0, le=1.0)  # discount (reinforce_plus_plus; gae)
     lam: float = _opt(1.0, ge=0.0, le=1.0)  # GAE's lambda (gae)
+    value_clip: float = _opt(0.2, gt=0.0)  # gae: how far a value may move from the old one
     kl_coef: float = _opt(0.0, ge=0.0)  # 0 = no reference model is loaded
     kl_estimator: str = _opt("k3", choices=("k1", "k2", "k3"))
     kl_in_reward: bool = _opt(False)  # KL as a per-token reward penalty instead of a loss
@@ -134,6 +135,8 @@ class TrainerConfig:
     mini_batch_size: int = _opt(0, ge=0)  # prompts per optimizer step; 0 = the whole batch
     micro_batch_size: int = _opt(64, ge=1)  # sequences per forward/backward
     grad_clip: float = _opt(1.0, ge=0.0)  # 0 = no clipping
+    critic_lr: float = _opt(1e-5, gt=0.0)  # gae: the critic's own AdamW learning rate
+    critic_warmup_steps: int = _opt(0, ge=0)  # gae: steps that train only the critic
     val_every: int = _opt(10, ge=0)  # 0 = only at start and end
     val_at_start: bool = _opt(True)
     threads: int = _opt(0, ge=0)  # torch CPU threads; 0 = torch's default

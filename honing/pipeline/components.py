@@ -32,6 +32,7 @@ from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rewards import Scorer, format_reward, load_reward_fn, parse_number
 from honing.rollout.base import SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
+from honing.trainer.critic import ValueModel
 from honing.trainer.optim import build_optimizer
 from honing.trainer.update import UpdateSettings
 from honing.types import Prompt
@@ -65,6 +66,8 @@ class Components:
     train_sampling: SamplingParams
     kl_controller: KLController
     skipped_rows: int
+    critic: torch.nn.Module | None = None  # gae: a value head on a copy of the backbone
+    critic_optimizer: torch.optim.Optimizer | None = None
 
 
 def cache_dir(config: Config) -> Path:
@@ -173,7 +176,6 @@ def update_settings(config: Config) -> UpdateSettings:
 # Estimators whose extra inputs the loop does not produce yet (issue 3 wires them).
 NOT_WIRED_YET = {
     "remax": "a greedy baseline rollout per prompt",
-    "gae": "a critic (value model)",
 }
 
 
@@ -260,6 +262,21 @@ def build_components(config: Config, log=print) -> Components:
             trust_remote_code=m.trust_remote_code,
         ).eval()
         reference.requires_grad_(False)
+    critic = critic_optimizer = None
+    if config.algorithm.advantage == "gae":
+        backbone = load_causal_lm(
+            model_path,
+            tokenizer,
+            dtype=m.dtype,
+            device=device,
+            trust_remote_code=m.trust_remote_code,
+        )
+        critic = ValueModel(backbone).to(device)
+        critic_optimizer = torch.optim.AdamW(
+            critic.parameters(),
+            lr=config.trainer.critic_lr,
+            weight_decay=config.trainer.weight_decay,
+        )
     rollout = config.rollout
     rendered, prompt_ids = tokenize_prompts(train + val, tokenizer, rollout.max_seq_len)
     t = config.trainer
@@ -300,6 +317,8 @@ def build_components(config: Config, log=print) -> Components:
             top_p=rollout.top_p,
         ),
         skipped_rows=skipped,
+        critic=critic,
+        critic_optimizer=critic_optimizer,
         kl_controller=KLController(
             config.algorithm.kl_coef,
             config.algorithm.kl_ctrl,

@@ -33,6 +33,8 @@ class Experience:
     old_logprobs: torch.Tensor | None  # [N, R]; None = on-policy shortcut in the update
     ref_logprobs: torch.Tensor | None  # [N, R]
     metrics: dict[str, float]
+    old_values: torch.Tensor | None = None  # [N, R] the critic's values before its update
+    returns: torch.Tensor | None = None  # [N, R] the critic's targets
 
 
 def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bool:
@@ -65,6 +67,7 @@ def make_experience(
             started = time.perf_counter()
             ref_logprobs, _ = response_logprobs(parts.reference, batch, temperature=temperature)
             metrics["timing_s/ref"] = time.perf_counter() - started
+        old_values = parts.critic(batch) if parts.critic is not None else None
         if needs_old_logprobs(config, parts, len(batch)):
             started = time.perf_counter()
             old_logprobs, _ = response_logprobs(parts.policy, batch, temperature=temperature)
@@ -78,7 +81,7 @@ def make_experience(
         current_kl = float(masked_mean(kl, mask, dim=-1).mean())
         metrics |= {"critic/kl": current_kl, "actor/kl_coef": parts.kl_controller.value}
         parts.kl_controller.update(current_kl, len(batch))
-    advantages = _advantages(config, scores, token_rewards, batch, rollouts)
+    advantages, returns = _advantages(config, scores, token_rewards, batch, rollouts, old_values)
     metrics["critic/advantages/mean"] = float(advantages.sum() / mask.sum())
     truncated = 0
     if algo.mask_truncated:
@@ -99,10 +102,10 @@ def make_experience(
                 level=algo.tis_level,
                 cap=algo.tis_cap,
             )
-    return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics)
+    return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns)
 
 
-def _advantages(config, scores, token_rewards, batch, rollouts) -> torch.Tensor:
+def _advantages(config, scores, token_rewards, batch, rollouts, values):
     estimator = get_advantage(config.algorithm.advantage)
     accepted = inspect.signature(estimator).parameters
     algo = config.algorithm
@@ -111,12 +114,13 @@ def _advantages(config, scores, token_rewards, batch, rollouts) -> torch.Tensor:
         "token_rewards": token_rewards,
         "gamma": algo.gamma,
         "lam": algo.lam,
+        "values": values,
     }
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
-    advantages, _ = estimator(
+    advantages, returns = estimator(
         scores,
         batch.response_mask,
         group_ids,
         **{k: v for k, v in options.items() if k in accepted},
     )
-    return advantages  # [N, R]
+    return advantages, returns  # [N, R] each

@@ -41,6 +41,9 @@ def save_training_state(
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         if config.checkpoint.save_optimizer:
             state["optimizer"] = parts.optimizer.state_dict()
+        if parts.critic is not None:
+            state["critic"] = parts.critic.state_dict()
+            state["critic_optimizer"] = parts.critic_optimizer.state_dict()
         torch.save(state, directory / TRAINER_STATE)
         info = {
             "step": step,
@@ -92,6 +95,14 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
     parts.scheduler.load_state_dict(state["scheduler"])
     if "optimizer" in state:
         parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.critic is not None:
+        if "critic" not in state:
+            raise UserError(
+                f"checkpoint {checkpoint} has no critic; it was not trained with "
+                "algorithm.advantage=gae"
+            )
+        parts.critic.load_state_dict(state["critic"])
+        parts.critic_optimizer.load_state_dict(state["critic_optimizer"])
     # The optimizer's own lr is the scheduler's last value (not restored by LambdaLR).
     for group, lr in zip(parts.optimizer.param_groups, parts.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr

@@ -24,7 +24,8 @@ from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
 from honing.pipeline.state import save_training_state
-from honing.trainer.update import update_policy
+from honing.trainer.critic import update_critic
+from honing.trainer.update import mini_batches, update_policy
 from honing.types import Rollout, Score
 
 
@@ -97,7 +98,8 @@ class SyncLoop:
             )
         metrics["samples/filtered"] += metrics.get("samples/filtered_truncated", 0)
         self._check_accounting(step, metrics)
-        parts.scheduler.step()
+        if parts.critic is None or step > cfg.trainer.critic_warmup_steps:
+            parts.scheduler.step()  # the policy's schedule starts when the policy does
         parts.engine.load_weights(step)
         t_end = time.perf_counter()
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in got.rollouts)
@@ -127,7 +129,13 @@ class SyncLoop:
         batch, advantages, metrics = exp.batch, exp.advantages, exp.metrics
         old_logprobs, ref_logprobs = exp.old_logprobs, exp.ref_logprobs
         t_update = time.perf_counter()
-        generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
+        seed = step_seed(self.config.trainer.seed, step)
+        if parts.critic is not None:
+            metrics |= self._update_critic(exp, torch.Generator().manual_seed(seed + 1))
+            if step <= self.config.trainer.critic_warmup_steps:  # fit values before acting
+                metrics["timing_s/update"] = time.perf_counter() - t_update
+                return metrics
+        generator = torch.Generator().manual_seed(seed)
         metrics |= update_policy(
             parts.policy,
             parts.optimizer,
@@ -142,6 +150,20 @@ class SyncLoop:
         metrics["timing_s/update"] = time.perf_counter() - t_update
         metrics["timing_s/prepare"] = t_update - t0
         return metrics
+
+    def _update_critic(self, exp, generator: torch.Generator) -> dict:
+        settings = self.parts.update
+        return update_critic(
+            self.parts.critic,
+            self.parts.critic_optimizer,
+            exp.batch,
+            exp.old_values,
+            exp.returns,
+            clip=self.config.algorithm.value_clip,
+            mini_batches=mini_batches(len(exp.batch), settings, generator),
+            micro_batch_size=settings.micro_batch_size,
+            grad_clip=settings.grad_clip,
+        )
 
     def _rollout_metrics(self, got: Collected) -> dict:
         rollouts, scores = got.rollouts, got.scores

@@ -1,0 +1,93 @@
+"""The critic for PPO: a value head on a copy of a causal LM's backbone, and its update.
+
+The value of response token r is read at the position that predicts it (P + r - 1): the
+state before the token is produced, aligned with the policy's logprobs in ``batch.py``. The
+head starts at zero, so the first advantages equal the Monte Carlo returns. The critic has its
+own optimizer; its loss is the clipped value loss (``honing.algorithms.value``), accumulated
+over micro-batches with mini-batch normalisers like the policy's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from honing.algorithms import masked_mean
+from honing.algorithms.value import clipped_value_loss, explained_variance
+from honing.trainer.batch import TrainBatch
+
+
+class ValueModel(nn.Module):
+    """A causal LM's last hidden state -> one scalar per position."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.head = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: TrainBatch) -> torch.Tensor:
+        """Values of the response tokens' states: [B, R]."""
+        out = self.backbone(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            output_hidden_states=True,
+        )
+        width = batch.responses.shape[1]
+        start = batch.prompt_width - 1
+        hidden = out.hidden_states[-1][:, start : start + width]  # [B, R, H]
+        return self.head(hidden).squeeze(-1).float()
+
+
+def update_critic(
+    critic: ValueModel,
+    optimizer,
+    batch: TrainBatch,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    clip: float,
+    mini_batches,
+    micro_batch_size: int,
+    grad_clip: float,
+) -> dict[str, float]:
+    """Fit the critic to ``returns`` ([B, R]) over the given mini-batch index tensors."""
+    critic.train()
+    totals: dict[str, torch.Tensor] = {}
+    steps = 0
+    for index in mini_batches:
+        num_tokens = batch.response_mask[index].sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        for micro_index in torch.split(index, micro_batch_size):
+            micro = batch.select(micro_index)
+            width = micro.responses.shape[1]
+            values = critic(micro)  # [b, R]
+            loss, metrics = clipped_value_loss(
+                values,
+                old_values[micro_index, :width],
+                returns[micro_index, :width],
+                micro.response_mask,
+                clip=clip,
+                num_tokens=num_tokens,
+            )
+            loss.backward()
+            share = micro.response_mask.sum() / num_tokens
+            totals["critic/vf_loss"] = totals.get("critic/vf_loss", 0) + metrics["critic/vf_loss"]
+            totals["critic/vf_clipfrac"] = (
+                totals.get("critic/vf_clipfrac", 0) + metrics["critic/vf_clipfrac"] * share
+            )
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)
+        optimizer.step()
+        steps += 1
+    mask = batch.response_mask
+    return {
+        **{k: float(v) / steps for k, v in totals.items()},
+        "critic/vf_explained_var": float(explained_variance(old_values, returns, mask)),
+        "critic/values/mean": float(masked_mean(old_values, mask)),
+        "critic/returns/mean": float(masked_mean(returns, mask)),
+    }
