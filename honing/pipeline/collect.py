@@ -36,6 +36,7 @@ class Collected:
     gen_seconds: float = 0.0
     reward_seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
+    baselines: dict[int, float] = field(default_factory=dict)  # remax: greedy score by group
 
 
 def _is_uniform(scores: list[Score]) -> bool:
@@ -65,6 +66,8 @@ def collect(config: Config, parts: Components, step: int, seed: int) -> Collecte
         out.gen_seconds += t1 - t0
         out.rounds += 1
         _shape(config, rollouts, scores)
+        if algo.advantage == "remax":
+            out.baselines |= _greedy_baselines(parts, requests, prompts, rollout.max_new_tokens)
         out.rollouts += rollouts
         out.scores += scores
         for group in _groups(rollouts, scores):
@@ -105,3 +108,11 @@ def _shape(config: Config, rollouts: list[Rollout], scores: list[Score]) -> None
         if penalty and math.isfinite(s.reward):
             s.reward += penalty
             s.details["overlong_penalty"] = penalty
+
+
+def _greedy_baselines(parts: Components, requests, prompts, max_new_tokens: int) -> dict:
+    """ReMax's baseline (https://arxiv.org/abs/2310.10505): the reward of the greedy answer to
+    each prompt. These rollouts only set baselines; they are not trained on or counted."""
+    greedy = parts.engine.generate(requests, replace(parts.train_sampling, n=1, greedy=True))
+    scores = parts.scorer.score({p.id: p for p in prompts}, greedy, parts.rendered)
+    return {r.group_index: s.reward for r, s in zip(greedy, scores, strict=True)}

@@ -173,12 +173,6 @@ def update_settings(config: Config) -> UpdateSettings:
     )
 
 
-# Estimators whose extra inputs the loop does not produce yet (issue 3 wires them).
-NOT_WIRED_YET = {
-    "remax": "a greedy baseline rollout per prompt",
-}
-
-
 def check_names(config: Config) -> None:
     """Registry names in the config exist (a clear error before anything heavy loads)."""
     from honing.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -192,13 +186,6 @@ def check_names(config: Config) -> None:
             raise ConfigError(
                 f"{key}: {value!r} is not known; choose one of: {', '.join(sorted(registry))}"
             )
-    needs = NOT_WIRED_YET.get(config.algorithm.advantage)
-    if needs:
-        raise ConfigError(
-            f"algorithm.advantage: {config.algorithm.advantage} needs {needs}, which the loop "
-            "does not build yet; choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
-            "reinforce_plus_plus_baseline"
-        )
     if 0 < config.algorithm.clip_ratio_c <= 1:
         raise ConfigError(
             "algorithm.clip_ratio_c: the dual-clip bound must be > 1 (e.g. 3), or 0 for off"

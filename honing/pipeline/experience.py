@@ -55,7 +55,11 @@ def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def make_experience(
-    config: Config, parts: Components, rollouts: list[Rollout], rewards: list[float]
+    config: Config,
+    parts: Components,
+    rollouts: list[Rollout],
+    rewards: list[float],
+    baselines: dict[int, float] | None = None,
 ) -> Experience:
     algo, temperature = config.algorithm, parts.update.temperature
     batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
@@ -81,7 +85,15 @@ def make_experience(
         current_kl = float(masked_mean(kl, mask, dim=-1).mean())
         metrics |= {"critic/kl": current_kl, "actor/kl_coef": parts.kl_controller.value}
         parts.kl_controller.update(current_kl, len(batch))
-    advantages, returns = _advantages(config, scores, token_rewards, batch, rollouts, old_values)
+    baseline_scores = None
+    if baselines is not None and config.algorithm.advantage == "remax":
+        # A failed greedy score (NaN) falls back to no baseline for that prompt.
+        baseline_scores = torch.tensor(
+            [baselines.get(r.group_index, 0.0) for r in rollouts], device=parts.device
+        ).nan_to_num(0.0)
+    advantages, returns = _advantages(
+        config, scores, token_rewards, batch, rollouts, old_values, baseline_scores
+    )
     metrics["critic/advantages/mean"] = float(advantages.sum() / mask.sum())
     truncated = 0
     if algo.mask_truncated:
@@ -105,7 +117,7 @@ def make_experience(
     return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns)
 
 
-def _advantages(config, scores, token_rewards, batch, rollouts, values):
+def _advantages(config, scores, token_rewards, batch, rollouts, values, baseline_scores):
     estimator = get_advantage(config.algorithm.advantage)
     accepted = inspect.signature(estimator).parameters
     algo = config.algorithm
@@ -115,6 +127,7 @@ def _advantages(config, scores, token_rewards, batch, rollouts, values):
         "gamma": algo.gamma,
         "lam": algo.lam,
         "values": values,
+        "baseline_scores": baseline_scores,
     }
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
     advantages, returns = estimator(

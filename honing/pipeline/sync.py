@@ -78,7 +78,7 @@ class SyncLoop:
         got = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step))
         metrics = self._rollout_metrics(got)
         if got.kept:
-            metrics |= self._update(step, [r for r, _ in got.kept], [s.reward for _, s in got.kept])
+            metrics |= self._update(step, got)
         else:
             metrics["samples/trained"] = 0
             self.logger.log_event("skipped_step", step=step, reason="no usable group to train on")
@@ -122,10 +122,11 @@ class SyncLoop:
                 f"{ {k: v for k, v in metrics.items() if 'samples/' in k} }"
             )
 
-    def _update(self, step: int, rollouts: list[Rollout], rewards: list[float]) -> dict:
+    def _update(self, step: int, got: Collected) -> dict:
         parts, settings = self.parts, self.parts.update
         t0 = time.perf_counter()
-        exp = make_experience(self.config, parts, rollouts, rewards)
+        rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
+        exp = make_experience(self.config, parts, rollouts, rewards, got.baselines)
         batch, advantages, metrics = exp.batch, exp.advantages, exp.metrics
         old_logprobs, ref_logprobs = exp.old_logprobs, exp.ref_logprobs
         t_update = time.perf_counter()

@@ -6,8 +6,6 @@ import math
 import pytest
 
 from honing.config import build_config
-from honing.errors import ConfigError
-from honing.pipeline.components import build_components
 from honing.pipeline.run import train
 
 NO_LOG = lambda message: None  # noqa: E731
@@ -35,7 +33,15 @@ def config(model_dir, reward, **overrides):
 
 @pytest.mark.parametrize(
     "advantage",
-    ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"],
+    [
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "gae",
+    ],
 )
 @pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo"])
 def test_runs_and_stays_finite(tmp_path, micro_model_dir, digit_reward, advantage, loss):
@@ -53,7 +59,14 @@ def test_runs_and_stays_finite(tmp_path, micro_model_dir, digit_reward, advantag
             assert m[key] is not None and math.isfinite(m[key]), (key, m)
 
 
-@pytest.mark.parametrize("advantage", ["remax"])
-def test_estimators_needing_more_inputs_say_so(micro_model_dir, advantage):
-    with pytest.raises(ConfigError, match=f"{advantage} needs"):
-        build_components(config(micro_model_dir, "numeric", **{"algorithm.advantage": advantage}))
+def test_remax_baseline_is_the_greedy_answers_score(tmp_path, micro_model_dir, digit_reward):
+    """ReMax: A = r - r(greedy answer). One greedy answer per prompt sets the baseline; those
+    rollouts are neither trained on nor counted as samples."""
+    from honing.pipeline.collect import collect
+    from honing.pipeline.components import build_components
+
+    cfg = config(micro_model_dir, digit_reward, **{"algorithm.advantage": "remax"})
+    parts = build_components(cfg, log=NO_LOG)
+    got = collect(cfg, parts, step=1, seed=5)
+    assert sorted(got.baselines) == [0, 1]  # one greedy score per prompt (group)
+    assert len(got.rollouts) == 2 * 3  # the greedy rollouts are not counted as samples
