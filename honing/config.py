@@ -54,6 +54,7 @@ class ModelConfig:
     cache_dir: str = _opt("")  # where builtin:tiny is built; default ~/.cache/honing
     trust_remote_code: bool = _opt(False)
     gradient_checkpointing: bool = _opt(False)
+    critic_path: str = _opt("")  # gae: the critic's backbone; empty = a copy of model.path
 
 
 @dataclass(frozen=True)

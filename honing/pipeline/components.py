@@ -251,8 +251,9 @@ def build_components(config: Config, log=print) -> Components:
         reference.requires_grad_(False)
     critic = critic_optimizer = None
     if config.algorithm.advantage == "gae":
+        critic_dir = check_model_dir(m.critic_path) if m.critic_path else model_path
         backbone = load_causal_lm(
-            model_path,
+            critic_dir,
             tokenizer,
             dtype=m.dtype,
             device=device,

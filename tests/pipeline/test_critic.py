@@ -79,3 +79,18 @@ def test_resume_restores_the_critic_exactly(tmp_path, micro_model_dir, digit_rew
     assert [m["critic/vf_loss"] for m in metrics(tmp_path / "a")] == [
         m["critic/vf_loss"] for m in metrics(tmp_path / "b")
     ]
+
+
+def test_critic_from_a_separate_model_path(tmp_path, micro_model_dir, digit_reward):
+    from honing.errors import ConfigError
+    from honing.pipeline.components import build_components
+
+    cfg = config(micro_model_dir, digit_reward, **{"model.critic_path": str(micro_model_dir)})
+    assert build_components(cfg, log=NO_LOG).critic is not None
+    missing = config(micro_model_dir, digit_reward, **{"model.critic_path": str(tmp_path)})
+    try:
+        build_components(missing, log=NO_LOG)
+    except ConfigError as err:
+        assert "not a Hugging Face model directory" in str(err)
+    else:
+        raise AssertionError("a critic_path without config.json must be a config error")
