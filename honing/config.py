@@ -1,8 +1,9 @@
 """One typed config tree, resolved from defaults < YAML < environment < command line.
 
-Every field has a docstring-style comment; ``Field`` metadata carries the allowed choices or
-range so that validation can say exactly what is wrong. Bad input raises ``ConfigError`` with
-one line naming the key and what is allowed (the CLI turns it into exit status 2).
+Fields whose meaning is not plain from the name carry a comment; ``Field`` metadata carries
+the allowed choices or range so that validation can say exactly what is wrong. Bad input
+raises ``ConfigError`` with one line naming the key and what is allowed (the CLI turns it
+into exit status 2).
 """
 
 from __future__ import annotations
