@@ -221,6 +221,34 @@ def aggregate_loss(
 # ---------------------------------------------------------------------------------------------
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_ratio_low: float, clip_ratio_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate ``max(-A r, -A clip(r))`` per token, and where the clipped
+    branch is the larger (bool). All [B, T]. https://arxiv.org/abs/1707.06347 eq. 7."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def policy_metrics(
+    loss: Tensor,
+    clipped: Tensor,
+    clipped_lower: Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+) -> dict[str, Tensor]:
+    """The metric keys every policy loss returns (detached, means over this call's tokens)."""
+    with torch.no_grad():
+        return {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean(clipped.to(logprobs.dtype), mask),
+            "actor/pg_clipfrac_lower": masked_mean(clipped_lower.to(logprobs.dtype), mask),
+            "actor/ppo_kl": masked_mean(old_logprobs - logprobs, mask),
+        }
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip(
     logprobs: Tensor,
@@ -277,9 +305,7 @@ def ppo_clip(
     # The log-ratio is clamped so that exp cannot overflow to inf on a stale sample.
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
-    unclipped_losses = -advantages * ratio  # [B, T]
-    clipped_losses = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    pg_losses = torch.maximum(unclipped_losses, clipped_losses)  # [B, T]
+    pg_losses, clipped = clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is None:
         clipped_lower = (ratio < 1 - clip_ratio_low) & (advantages < 0)  # [B, T]
     else:
@@ -295,13 +321,4 @@ def ppo_clip(
         loss_scale_len=loss_scale_len,
     )
 
-    with torch.no_grad():
-        clipped = (clipped_losses > unclipped_losses).to(ratio.dtype)  # [B, T]
-        clipped_lower = clipped_lower.to(ratio.dtype)  # [B, T]
-        metrics = {
-            "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": masked_mean(clipped, response_mask),
-            "actor/pg_clipfrac_lower": masked_mean(clipped_lower, response_mask),
-            "actor/ppo_kl": masked_mean(old_logprobs - logprobs, response_mask),
-        }
-    return loss, metrics
+    return loss, policy_metrics(loss, clipped, clipped_lower, logprobs, old_logprobs, response_mask)

@@ -11,7 +11,13 @@ import torch
 from torch import Tensor
 
 from honing.algorithms.core import masked_mean
-from honing.algorithms.losses import Count, aggregate_loss, register_policy_loss
+from honing.algorithms.losses import (
+    Count,
+    aggregate_loss,
+    clipped_surrogate,
+    policy_metrics,
+    register_policy_loss,
+)
 
 
 @register_policy_loss("gspo")
@@ -67,9 +73,7 @@ def gspo(
     seq_log_ratio = masked_mean(token_log_ratio, response_mask, dim=-1).clamp(-20.0, 20.0)  # [B]
     # GSPO-token: value s_i, gradient s_i * grad logprobs_t.
     ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + logprobs - logprobs.detach())  # [B, T]
-    unclipped_losses = -advantages * ratio  # [B, T]
-    clipped_losses = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    pg_losses = torch.maximum(unclipped_losses, clipped_losses)  # [B, T]
+    pg_losses, clipped = clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
     loss = aggregate_loss(
         pg_losses,
         response_mask,
@@ -79,16 +83,8 @@ def gspo(
         loss_scale_len=loss_scale_len,
     )
 
-    with torch.no_grad():
-        clipped = (clipped_losses > unclipped_losses).to(ratio.dtype)  # [B, T]
-        clipped_lower = ((ratio < 1 - clip_ratio_low) & (advantages < 0)).to(ratio.dtype)
-        metrics = {
-            "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": masked_mean(clipped, response_mask),
-            "actor/pg_clipfrac_lower": masked_mean(clipped_lower, response_mask),
-            "actor/ppo_kl": masked_mean(-token_log_ratio, response_mask),
-        }
-    return loss, metrics
+    clipped_lower = (ratio.detach() < 1 - clip_ratio_low) & (advantages < 0)  # [B, T]
+    return loss, policy_metrics(loss, clipped, clipped_lower, logprobs, old_logprobs, response_mask)
 
 
 @register_policy_loss("cispo")
@@ -151,13 +147,6 @@ def cispo(
         loss_scale_len=loss_scale_len,
     )
 
-    with torch.no_grad():
-        clipped_lower = ratio < 1 - clip_ratio_low  # [B, T]
-        clipped = clipped_lower | (ratio > 1 + clip_ratio_high)  # [B, T]
-        metrics = {
-            "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask),
-            "actor/pg_clipfrac_lower": masked_mean(clipped_lower.to(ratio.dtype), response_mask),
-            "actor/ppo_kl": masked_mean(old_logprobs - logprobs, response_mask),
-        }
-    return loss, metrics
+    clipped_lower = ratio < 1 - clip_ratio_low  # [B, T] (ratio carries no gradient here)
+    clipped = clipped_lower | (ratio > 1 + clip_ratio_high)  # [B, T]
+    return loss, policy_metrics(loss, clipped, clipped_lower, logprobs, old_logprobs, response_mask)
