@@ -5,35 +5,25 @@ import math
 
 import torch
 
-from honing.config import build_config
 from honing.pipeline.run import train
+
+from ._configs import small_run_config
 
 NO_LOG = lambda message: None  # noqa: E731
 
 
 def config(model_dir, reward, **overrides):
-    values = {
-        "model.path": str(model_dir),
-        "reward.function": reward,
+    specific = {
         "trainer.total_steps": 4,
-        "rollout.batch_size": 2,
-        "rollout.group_size": 3,
-        "rollout.max_new_tokens": 3,
-        "rollout.val_samples": 1,
-        "data.train_size": 40,
-        "data.val_size": 4,
-        "trainer.val_every": 0,
         "trainer.lr": 5e-3,
         "trainer.critic_lr": 5e-3,
         "algorithm.advantage": "gae",
         "algorithm.gamma": 1.0,
         "algorithm.lam": 0.95,
-        "monitor.console": False,
-        "monitor.tensorboard": False,
         "checkpoint.every": 1,
         "checkpoint.keep": 10,
     }
-    return build_config(values | overrides)
+    return small_run_config(model_dir, reward, **specific | overrides)
 
 
 def metrics(run_dir):

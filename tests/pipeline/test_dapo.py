@@ -9,6 +9,8 @@ from honing.errors import ConfigError
 from honing.pipeline.components import build_components
 from honing.pipeline.run import train
 
+from ._configs import small_run_config
+
 NO_LOG = lambda message: None  # noqa: E731
 
 REWARDS = """
@@ -30,23 +32,14 @@ def rewards(tmp_path):
 
 
 def run(tmp_path, model_dir, reward, **overrides):
-    values = {
-        "model.path": str(model_dir),
-        "reward.function": reward,
+    specific = {
         "trainer.total_steps": 3,
         "rollout.batch_size": 4,
-        "rollout.group_size": 3,
-        "rollout.max_new_tokens": 3,
-        "rollout.val_samples": 1,
         "data.train_size": 60,
-        "data.val_size": 4,
-        "trainer.val_every": 0,
         "trainer.val_at_start": False,
-        "monitor.console": False,
-        "monitor.tensorboard": False,
         "checkpoint.every": 0,
     }
-    train(build_config(values | overrides), tmp_path / "run", log=NO_LOG)
+    train(small_run_config(model_dir, reward, **specific | overrides), tmp_path / "run", log=NO_LOG)
     lines = (tmp_path / "run" / "metrics.jsonl").open()
     return [m for m in map(json.loads, lines) if "samples/generated" in m]
 

@@ -11,30 +11,21 @@ from honing.pipeline.components import build_components
 from honing.pipeline.experience import token_level_rewards
 from honing.pipeline.run import train
 
+from ._configs import small_run_config
+
 NO_LOG = lambda message: None  # noqa: E731
 
 
 def run(tmp_path, model_dir, reward, **overrides):
-    values = {
-        "model.path": str(model_dir),
-        "reward.function": reward,
+    specific = {
         "trainer.total_steps": 3,
-        "rollout.batch_size": 2,
-        "rollout.group_size": 3,
-        "rollout.max_new_tokens": 3,
-        "rollout.val_samples": 1,
-        "data.train_size": 40,
-        "data.val_size": 4,
-        "trainer.val_every": 0,
         "trainer.val_at_start": False,
         "trainer.lr": 5e-3,
-        "monitor.console": False,
-        "monitor.tensorboard": False,
         "checkpoint.every": 1,
         "algorithm.kl_in_reward": True,
         "algorithm.kl_coef": 0.5,
     }
-    train(build_config(values | overrides), tmp_path / "run", log=NO_LOG)
+    train(small_run_config(model_dir, reward, **specific | overrides), tmp_path / "run", log=NO_LOG)
     lines = (tmp_path / "run" / "metrics.jsonl").open()
     return [m for m in map(json.loads, lines) if "samples/generated" in m]
 

@@ -8,33 +8,24 @@ import torch
 
 from honing.checkpoint import CheckpointManager
 from honing.cli import main
-from honing.config import build_config
 from honing.errors import ConfigError, DataError, UserError
 from honing.pipeline.components import build_components
 from honing.pipeline.run import train
 from honing.trainer.update import UpdateSettings, update_policy
 
+from ._configs import small_run_config
+
 NO_LOG = lambda message: None  # noqa: E731
 
 
 def small(model_dir, reward, **overrides):
-    values = {
-        "model.path": str(model_dir),
-        "reward.function": reward,
+    specific = {
         "trainer.total_steps": 4,
-        "rollout.batch_size": 2,
         "rollout.group_size": 2,
-        "rollout.max_new_tokens": 3,
-        "rollout.val_samples": 1,
-        "data.train_size": 40,
-        "data.val_size": 4,
-        "trainer.val_every": 0,
         "checkpoint.every": 1,
         "checkpoint.keep": 10,
-        "monitor.console": False,
-        "monitor.tensorboard": False,
     }
-    return build_config(values | overrides)
+    return small_run_config(model_dir, reward, **specific | overrides)
 
 
 def write_rows(path, rows):
