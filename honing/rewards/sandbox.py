@@ -1,0 +1,429 @@
+"""Run one untrusted program with limits, in the strongest isolation this machine offers.
+
+Every run gets: its own session and process group; rlimits (CPU seconds, address space,
+processes, file size, open files, no core dumps); a wall-clock deadline enforced from outside,
+after which the whole group (and, with namespaces, the whole PID namespace) is killed, as it
+also is after a normal exit, so no child outlives the run; stdout/stderr read incrementally and
+capped (past the cap bytes are dropped and the result says so); a private working directory,
+deleted afterwards; a minimal environment (``HOME`` is the working directory).
+
+When honing runs as root, the program runs under a fresh random unprivileged uid/gid
+(100000-1099999, no groups), so it cannot read or write root's files (mode permitting), cannot
+signal or trace other processes, and ``RLIMIT_NPROC`` counts only its own processes: a fork
+bomb stops at ``max_processes``. As a non-root user the program keeps that user's uid, so
+``RLIMIT_NPROC`` counts all of the user's processes (the limit is raised by their current
+count) and, without namespaces, the user's own files are readable and writable.
+
+Backends (``backend=``), detected once by actually running ``true`` through each:
+
+- ``bwrap`` (bubblewrap): new user, PID, network, IPC, UTS and mount namespaces; ``/`` bound
+  read-only; private ``/dev``, ``/proc``; empty tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm``
+  and ``$HOME``; only the working directory writable; no network (loopback only, empty).
+  Not isolated: other read-only files the uid may read (e.g. world-readable files under
+  ``/etc`` or the repository), CPU time beyond the rlimit, the kernel itself.
+- ``unshare`` (util-linux): the same namespaces, every existing mount remounted read-only, tmpfs
+  over ``/tmp``, ``/var/tmp``, ``/dev/shm``, all capabilities dropped (``setpriv``). Not
+  isolated: same as bwrap, and ``$HOME`` is read-only but visible.
+- ``none``: rlimits, process group, uid switch when root, deadline. NOT isolated: network,
+  the filesystem (readable where permissions allow; writable where the uid may write, e.g.
+  ``/tmp``), other processes' visibility, and a child that calls ``setsid()`` and clears its
+  environment escapes the final kill sweep. A warning naming these is logged once.
+
+``auto`` picks the first that works of bwrap, unshare, none. No backend limits disk bandwidth,
+memory outside the address-space rlimit (e.g. tmpfs writes count against the machine), or
+kernel exploits; for hostile code at scale use a VM or gVisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("bwrap", "unshare", "none")
+_MARKER_ENV = "HONING_SANDBOX_RUN"
+_NONE_WARNING = (
+    "sandbox backend 'none' (bwrap works: %s, unshare works: %s): programs run with rlimits, "
+    "a process group and a deadline only. NOT isolated: network, filesystem (reads where "
+    "permitted, writes where the uid may write), process visibility"
+)
+# Remount everything read-only, hide world-writable dirs, re-expose the workdir (still our cwd).
+_UNSHARE_SETUP = r"""
+cd "$0" || exit 97
+for m in $(awk '{print $2}' /proc/self/mounts); do mount -o remount,bind,ro "$m" 2>/dev/null; done
+for d in /tmp /var/tmp /dev/shm; do [ -d "$d" ] && mount -t tmpfs -o size=64m none "$d"; done
+mkdir -p "$0" && mount -c --bind /proc/self/cwd "$0" && mount -o remount,bind,rw "$0" || exit 97
+cd "$0" && exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- "$@"
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one run."""
+
+    timeout_s: float = 5.0
+    """Wall-clock deadline; the whole process tree is killed when it passes."""
+    cpu_s: int | None = None
+    """CPU seconds (RLIMIT_CPU); None means ``ceil(timeout_s) + 1``."""
+    memory_bytes: int = 1 << 30
+    """Address space (RLIMIT_AS). Python needs ~100+ MB of virtual memory just to start."""
+    max_processes: int = 64
+    """Processes of the run's uid (RLIMIT_NPROC); contains fork bombs."""
+    max_file_bytes: int = 16 << 20
+    """Largest file the program may write (RLIMIT_FSIZE)."""
+    max_open_files: int = 256
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    max_output_bytes: int = 1 << 20
+    """Bytes kept of stdout and of stderr each; the rest is read and dropped."""
+
+
+@dataclass
+class SandboxResult:
+    """How one run ended. ``signal`` names the signal that ended it (e.g. "SIGKILL")."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    wall_s: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    signal: str | None = None
+    isolation: str = "none"
+    channel: bytes = field(default=b"", repr=False)
+    """What the program wrote to the side channel fd (``channel=True``), capped."""
+
+
+def _run_quiet(argv: list[str], cwd: str, **kwargs) -> bool:
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, timeout=10, **kwargs)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@cache
+def backend_works(backend: str) -> bool:
+    """Whether ``backend`` can run a program here (tried once, under the run's uid)."""
+    if backend == "none":
+        return True
+    workdir = Path(tempfile.mkdtemp(prefix="honing-probe-"))
+    try:
+        ids = _fresh_ids()
+        if ids:
+            os.chown(workdir, *ids)
+        argv = _wrap(backend, ["true"], str(workdir))
+        user = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}
+        return _run_quiet(argv, str(workdir), **user)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@cache
+def detect_backend() -> str:
+    """The best working backend (bwrap, then unshare, then none, warning once)."""
+    for backend in ("bwrap", "unshare"):
+        if backend_works(backend):
+            return backend
+    _warn_none_once()
+    return "none"
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """``auto`` -> the detected one; a named backend must work here.
+
+    Raises:
+        ValueError: unknown name, or the named backend does not work on this machine.
+    """
+    if backend == "auto":
+        return detect_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}; expected auto or {BACKENDS}")
+    if not backend_works(backend):
+        raise ValueError(f"sandbox backend {backend!r} does not work on this machine")
+    if backend == "none":
+        _warn_none_once()
+    return backend
+
+
+@cache
+def _warn_none_once() -> None:
+    log.warning(_NONE_WARNING, backend_works("bwrap"), backend_works("unshare"))
+
+
+def _fresh_ids() -> tuple[int, int] | None:
+    """A random unprivileged uid/gid when root (its own NPROC count), else None (keep ours)."""
+    if os.geteuid() != 0:
+        return None
+    uid = 100_000 + secrets.randbelow(1_000_000)
+    return uid, uid
+
+
+def _wrap(backend: str, argv: list[str], workdir: str) -> list[str]:
+    """The command line that runs ``argv`` inside ``backend``, with cwd ``workdir``."""
+    if backend == "bwrap":
+        hidden = ["/tmp", "/var/tmp", "/dev/shm"]
+        home = os.path.expanduser("~")
+        if home not in ("/", "") and os.path.isdir(home):
+            hidden.append(home)
+        tmpfs = [arg for path in hidden for arg in ("--tmpfs", path)]
+        return [
+            *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *tmpfs),
+            *("--bind", workdir, workdir, "--chdir", workdir, "--unshare-all"),
+            *("--die-with-parent", "--new-session", "--", *argv),
+        ]
+    if backend == "unshare":
+        return [
+            *("unshare", "--user", "--map-root-user", "--net", "--pid", "--ipc", "--uts"),
+            *("--fork", "--kill-child", "--mount", "--mount-proc"),
+            *("sh", "-c", _UNSHARE_SETUP, workdir, *argv),
+        ]
+    return list(argv)
+
+
+def _count_processes(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                count += entry.stat().st_uid == uid
+    return count
+
+
+def _preexec(limits: Limits, nproc: int):
+    cpu_s = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
+
+    def apply() -> None:
+        for kind, value in (
+            (resource.RLIMIT_CPU, cpu_s),
+            (resource.RLIMIT_AS, limits.memory_bytes),
+            (resource.RLIMIT_NPROC, nproc),
+            (resource.RLIMIT_FSIZE, limits.max_file_bytes),
+            (resource.RLIMIT_NOFILE, limits.max_open_files),
+            (resource.RLIMIT_CORE, 0),
+        ):
+            resource.setrlimit(kind, (value, value))
+
+    return apply
+
+
+class _Capture:
+    """Bytes read from one pipe, keeping at most ``cap``."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.parts, self.size, self.truncated = cap, [], 0, False
+
+    def add(self, data: bytes) -> None:
+        room = self.cap - self.size
+        if len(data) > room:
+            self.truncated = True
+            data = data[: max(room, 0)]
+        self.parts.append(data)
+        self.size += len(data)
+
+    def text(self) -> str:
+        return b"".join(self.parts).decode("utf-8", errors="replace")
+
+
+def run_sandboxed(
+    argv: list[str],
+    *,
+    stdin: bytes = b"",
+    files: dict[str, str | bytes] | None = None,
+    limits: Limits | None = None,
+    backend: str = "auto",
+    channel: bool = False,
+) -> SandboxResult:
+    """Run ``argv`` in a fresh private directory and return how it ended.
+
+    Args:
+        argv: the command (e.g. ``["python3", "-I", "main.py"]``), resolved on ``PATH``.
+        stdin: bytes fed to the program's standard input.
+        files: name -> content written into the working directory first.
+        limits: resource limits (defaults: ``Limits()``).
+        backend: ``auto``, ``bwrap``, ``unshare`` or ``none`` (module docstring).
+        channel: also open a side-channel pipe whose write end's fd number is put in the
+            program's environment as ``HONING_CHANNEL_FD``; its bytes come back in
+            ``result.channel`` (capped like stdout). Used by the code verifier's judge.
+
+    Raises:
+        ValueError: unknown or unusable backend.
+    """
+    limits = limits or Limits()
+    isolation = resolve_backend(backend)
+    workdir = tempfile.mkdtemp(prefix="honing-sandbox-")
+    try:
+        ids = _fresh_ids()
+        for name, content in (files or {}).items():
+            data = content.encode() if isinstance(content, str) else content
+            Path(workdir, name).write_bytes(data)
+        if ids:
+            for path in (workdir, *(os.path.join(workdir, name) for name in files or {})):
+                os.chown(path, *ids)
+        return _execute(argv, stdin, workdir, ids, limits, isolation, channel)
+    finally:
+        shutil.rmtree(workdir, onerror=_force_remove)
+
+
+def _force_remove(function, path, _exc_info) -> None:
+    """rmtree's error hook: make the parent writable (the program may have chmod-ed it)."""
+    try:
+        os.chmod(os.path.dirname(path), 0o700)
+        function(path)
+    except OSError:
+        pass
+
+
+def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxResult:
+    token = secrets.token_hex(8)
+    nproc = limits.max_processes + (0 if ids else _count_processes(os.geteuid()))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": workdir,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        _MARKER_ENV: token,
+    }
+    channel_read = channel_write = None
+    if channel:
+        channel_read, channel_write = os.pipe()
+        env["HONING_CHANNEL_FD"] = str(channel_write)
+    user = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            _wrap(isolation, argv, workdir),
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(channel_write,) if channel else (),
+            preexec_fn=_preexec(limits, nproc),
+            **user,
+        )
+    except OSError as exc:
+        for fd in (channel_read, channel_write):
+            if fd is not None:
+                os.close(fd)
+        return SandboxResult(None, "", f"could not start: {exc}", False, 0.0, isolation=isolation)
+    if channel_write is not None:
+        os.close(channel_write)
+    captures, timed_out = _pump(proc, stdin, channel_read, limits, started)
+    _kill_everything(proc, isolation, token)
+    wall_s = time.monotonic() - started
+    code = proc.returncode
+    return SandboxResult(
+        returncode=code,
+        stdout=captures["stdout"].text(),
+        stderr=captures["stderr"].text(),
+        timed_out=timed_out,
+        wall_s=wall_s,
+        stdout_truncated=captures["stdout"].truncated,
+        stderr_truncated=captures["stderr"].truncated,
+        signal=signal.Signals(-code).name if code is not None and code < 0 else None,
+        isolation=isolation,
+        channel=b"".join(captures["channel"].parts),
+    )
+
+
+def _pump(proc, stdin: bytes, channel_read, limits: Limits, started: float):
+    """Feed stdin and read the outputs until the program has exited and its pipes are closed
+    (or half a second after its exit, if strays still hold them), or until the deadline."""
+    captures = {name: _Capture(limits.max_output_bytes) for name in ("stdout", "stderr")}
+    captures["channel"] = _Capture(limits.max_output_bytes)
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    if channel_read is not None:
+        selector.register(channel_read, selectors.EVENT_READ, "channel")
+    pending = memoryview(stdin)
+    if pending:
+        os.set_blocking(proc.stdin.fileno(), False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+    else:
+        proc.stdin.close()
+    pidfd = os.pidfd_open(proc.pid)
+    selector.register(pidfd, selectors.EVENT_READ, "exit")
+    limit, exited, readers = started + limits.timeout_s, False, 2 + (channel_read is not None)
+    try:
+        while not (exited and readers == 0) and time.monotonic() < limit:
+            for key, _ in selector.select(limit - time.monotonic()):
+                if key.data == "exit":
+                    selector.unregister(pidfd)
+                    proc.wait()
+                    exited, limit = True, min(limit, time.monotonic() + 0.5)
+                elif key.data == "stdin":
+                    pending = _feed(proc, pending)
+                    if not pending:
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                else:
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        captures[key.data].add(data)
+                    else:
+                        selector.unregister(key.fileobj)
+                        readers -= 1
+    finally:
+        selector.close()
+        os.close(pidfd)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+        if channel_read is not None:
+            os.close(channel_read)
+    return captures, not exited
+
+
+def _feed(proc, pending: memoryview) -> memoryview:
+    try:
+        return pending[os.write(proc.stdin.fileno(), pending[:65536]) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        return pending[:0]
+
+
+def _kill_everything(proc, isolation: str, token: str) -> None:
+    """SIGKILL the run's process group (with namespaces, killing the outer process tears down
+    the PID namespace); for backend none also sweep processes carrying the run's marker."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if isolation == "none":
+        _sweep_marked(token)
+
+
+def _sweep_marked(token: str) -> None:
+    """Kill stray processes whose environment carries ``token`` (escaped the group via setsid).
+    Best effort: a process that cleared its environment is not found."""
+    needle = f"{_MARKER_ENV}={token}".encode()
+    for _round in range(3):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                    marked = needle in handle.read()
+                if marked:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found = True
+            except OSError:
+                continue
+        if not found:
+            return
