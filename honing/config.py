@@ -87,11 +87,22 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    function: str = _opt("numeric")  # built-in name, package.module:function or file.py:function
+    # "auto" (route by data_source: math, code, arithmetic...), a built-in name,
+    # package.module:function or path/file.py:function
+    function: str = _opt("auto")
+    routes: dict = _opt({}, items=str)  # data_source -> reward function; adds to / overrides auto
+    weights: dict = _opt({}, items=float)  # further reward functions added with a weight
     format_weight: float = _opt(0.0)  # weight of the built-in format reward (0 = off)
-    on_error: str = _opt("error", choices=("error", "zero", "drop"))
-    endpoint: str = _opt("")  # URL of a verifier service (VERIFIER_ENDPOINT)
-    timeout_s: float = _opt(30.0, gt=0.0)
+    on_error: str = _opt("fail", choices=("fail", "error", "zero", "drop"))  # error = fail
+    endpoint: str = _opt("")  # verifier service URL(s), comma-separated (VERIFIER_ENDPOINT)
+    timeout_s: float = _opt(30.0, gt=0.0)  # one HTTP request to a verifier service
+    retries: int = _opt(3, ge=0)  # further attempts of a failed request, on another replica
+    request_items: int = _opt(64, ge=1)  # items per /score request
+    max_concurrency: int = _opt(8, ge=1)  # /score requests in flight at once
+    cache_size: int = _opt(100000, ge=0)  # remembered (response, ground truth) scores; 0 = off
+    workers: int = _opt(0, ge=0)  # local verifier processes / sandboxes at once; 0 = cores
+    math_timeout_s: float = _opt(5.0, gt=0.0)  # hard deadline of one math check
+    code_timeout_s: float = _opt(10.0, gt=0.0)  # hard deadline of one program run
     overlong_buffer_len: int = _opt(0, ge=0)  # DAPO soft overlong penalty window (0 = off)
     overlong_penalty_factor: float = _opt(1.0, ge=0.0)  # penalty at max_new_tokens
 
@@ -213,7 +224,7 @@ def _field(key: str) -> dataclasses.Field:
     return fields[name]
 
 
-_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list}
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
 
 
 def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
@@ -242,6 +253,12 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
             if not isinstance(value, list):
                 raise ValueError
             return _coerce_list(key, f.metadata, value)
+        elif kind is dict:
+            if isinstance(value, str):
+                value = _parse_value(key, value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return _coerce_dict(key, f.metadata, value)
         elif kind is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
@@ -273,6 +290,26 @@ def _coerce_list(key: str, meta: Any, value: list) -> list:
     for item in converted:
         _check_range(key, meta, item)
     return converted
+
+
+def _coerce_dict(key: str, meta: Any, value: dict) -> dict:
+    """A mapping with string keys; each value converted to ``items`` and range-checked."""
+    kind = meta.get("items")
+    out = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or isinstance(item, (list, dict)) or item is None:
+            raise ConfigError(
+                f"{key}: expected a mapping of names to {kind.__name__ if kind else 'value'}s, "
+                f"got {value!r}"
+            )
+        try:
+            if kind is not None and (isinstance(item, bool) and kind is not bool):
+                raise ValueError
+            out[name] = kind(item) if kind is not None else item
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}.{name}: expected {kind.__name__}, got {item!r}") from None
+        _check_range(f"{key}.{name}", meta, out[name])
+    return out
 
 
 def _check_range(key: str, meta: Any, value: Any) -> None:

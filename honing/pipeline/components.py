@@ -29,7 +29,7 @@ from honing.models.loading import (
     resolve_device,
 )
 from honing.models.tiny import TinySpec, build_tiny_model
-from honing.rewards import Scorer, format_reward, load_reward_fn, parse_number
+from honing.rewards import Scorer, format_reward, numeric_reward, parse_number
 from honing.rollout.base import SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
@@ -138,18 +138,32 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
 
 
 def build_scorer(config: Config) -> Scorer:
-    if config.reward.endpoint:
-        from honing.rewards.remote import remote_reward_fn
+    """The run's scorer: the routed main reward (or the verifier service's client) plus the
+    weighted components (``reward.weights``, ``reward.format_weight``)."""
+    from honing.rewards.routing import VerifierSettings, build_builtin, build_router
 
-        reward_fn = remote_reward_fn(config.reward.endpoint, timeout_s=config.reward.timeout_s)
-    else:
-        reward_fn = load_reward_fn(config.reward.function)
-    format_fn = format_reward if config.reward.format_weight else None
+    r = config.reward
+    settings = VerifierSettings(r.workers, r.math_timeout_s, r.code_timeout_s)
+    client = None
+    if r.endpoint:
+        from honing.rewards.remote import VerifierClient
+
+        client = VerifierClient(
+            r.endpoint,
+            timeout_s=r.timeout_s,
+            retries=r.retries,
+            request_items=r.request_items,
+            max_concurrency=r.max_concurrency,
+            cache_size=r.cache_size,
+        )
+    router = build_router(r.function, r.routes, settings, fallback=client)
+    weighted = [(spec, build_builtin(spec, settings), w) for spec, w in r.weights.items()]
     return Scorer(
-        reward_fn,
-        format_fn=format_fn,
-        format_weight=config.reward.format_weight,
-        on_error=config.reward.on_error,
+        router,
+        weighted=weighted,
+        format_fn=format_reward if r.format_weight else None,
+        format_weight=r.format_weight,
+        on_error=r.on_error,
     )
 
 
@@ -209,12 +223,21 @@ def check_names(config: Config) -> None:
         )
 
 
-def check_ground_truths(prompts: list[Prompt], reward_function: str) -> None:
-    """The built-in numeric verifier needs numeric ground truths: find a bad one at load time,
-    not hours into the run when its prompt is first drawn."""
-    if reward_function != "numeric":
-        return
+def check_ground_truths(prompts: list[Prompt], scorer: Scorer) -> None:
+    """Every prompt has a reward function, and those scored by the numeric check have numeric
+    ground truths: found at load time, not hours into the run when the prompt is drawn."""
+    router = scorer.reward_fn
+    sources = {p.data_source for p in prompts}
+    unrouted = router.unrouted(sources)
+    if unrouted:
+        raise DataError(
+            f"no reward function for data_source {unrouted[0]!r}; add it to reward.routes "
+            f"(e.g. reward.routes={{{unrouted[0]!r}: math}}) or set reward.function"
+        )
     for prompt in prompts:
+        spec = router.route(prompt.data_source)
+        if spec != "numeric" and not (spec is None and router.fallback is numeric_reward):
+            continue
         truths = (
             prompt.ground_truth if isinstance(prompt.ground_truth, list) else [prompt.ground_truth]
         )
@@ -229,7 +252,7 @@ def build_components(config: Config, log=print) -> Components:
     check_names(config)
     scorer = build_scorer(config)
     train, val, skipped = load_datasets(config)
-    check_ground_truths(train + val, config.reward.function)
+    check_ground_truths(train + val, scorer)
     device = resolve_device(config.model.device)
     model_path = resolve_model_path(config, log=log)
     m = config.model

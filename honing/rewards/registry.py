@@ -13,8 +13,10 @@ details. A function may take ``**kwargs`` instead of naming every context keywor
 
 ``reward.function`` (``load_reward_fn``'s spec) is one of:
 
-- a registered name: ``numeric`` (final answer equals the ground truth as a number) or
-  ``format`` (the response is a bare number), or one added with ``@register_reward``;
+- a registered name: ``numeric`` (final answer equals the ground truth as a number),
+  ``format`` (the response is a bare number), ``math`` (math answer equivalence,
+  ``honing.rewards.math_verifier``), ``code`` (programs run against tests in a sandbox,
+  ``honing.rewards.code_verifier``), or one added with ``@register_reward``;
 - ``package.module:function``, imported like any Python module;
 - ``path/to/file.py:function``, loaded from the file (relative to the current directory).
 """
@@ -60,6 +62,12 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 register_reward("numeric")(numeric_reward)
 register_reward("format")(format_reward)
 
+# Built-ins whose modules load on first use (math-verify and the sandbox are not light).
+_LAZY_BUILTINS = {
+    "math": ("honing.rewards.math_verifier", "math_reward"),
+    "code": ("honing.rewards.code_verifier", "code_reward"),
+}
+
 
 def describe_error(exc: BaseException) -> str:
     """``"TypeName: message"`` on one line, for error messages and score details."""
@@ -78,9 +86,12 @@ def load_reward_fn(spec: str) -> RewardFn:
     if ":" not in spec:
         if spec in REWARD_FUNCTIONS:
             return REWARD_FUNCTIONS[spec]
+        if spec in _LAZY_BUILTINS:
+            module, attribute = _LAZY_BUILTINS[spec]
+            return getattr(importlib.import_module(module), attribute)
         raise RewardError(
             f"unknown reward function {spec!r}; expected a built-in "
-            f"({', '.join(sorted(REWARD_FUNCTIONS))}) or {_SPEC_FORMS}"
+            f"({', '.join(sorted({*REWARD_FUNCTIONS, *_LAZY_BUILTINS}))}) or {_SPEC_FORMS}"
         )
     target, _, attribute = spec.rpartition(":")
     if not target or not attribute:

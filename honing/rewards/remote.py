@@ -1,54 +1,293 @@
-"""A reward function that asks a verifier service over HTTP (``reward.endpoint``).
+"""Client of one or several verifier / reward-model services (``reward.endpoint``).
 
-Protocol: ``POST <endpoint>`` with JSON ``{"response", "ground_truth", "prompt",
-"data_source", "extra_info"}``; the service answers ``200`` with ``{"score": float, ...}``
-(other keys become details). Every call has a timeout and bounded retries with backoff on
-connection errors and 5xx answers; a call that still fails raises, and the scorer's
-``reward.on_error`` policy decides what happens (it is never silently scored 0).
+``VerifierClient`` is a ``BatchRewardFn``: a batch of items is split into ``POST /score``
+requests of ``request_items`` each (``{"items": [...]}`` → ``{"results": [{"score",
+"details"}]}``, the envelope of ``honing serve``), sent concurrently (at most
+``max_concurrency`` in flight) from an asyncio loop on a background thread.
+
+What keeps scores flowing when a service misbehaves:
+
+- every request has a timeout; a failed one (connection error, timeout, 5xx, 429) is retried
+  up to ``retries`` times with exponential backoff, on another replica when there is one;
+- replicas are load-balanced (fewest requests in flight); a replica that fails
+  ``eject_after`` requests in a row is ejected for ``eject_s`` (doubling on each ejection, at
+  most a minute) and gets traffic again after that;
+- a circuit breaker: after ``breaker_failures`` failed requests in a row across all replicas,
+  requests fail at once for ``breaker_s`` instead of queueing on a dead service, then one
+  request probes whether it is back;
+- a cache of results by (data source, response, ground truth, extra info); identical items
+  in one batch are sent once.
+
+An item whose scoring still failed comes back as an exception, so the scorer's
+``reward.on_error`` (``fail`` | ``zero`` | ``drop``) decides and counts it; never a silent 0.
+Per-request latencies and counters (``reward/requests``, ``reward/errors``,
+``reward/retries``, ``reward/cache_hits``, ``reward/ejections``) go into training metrics.
+A bearer token is read from ``HONING_VERIFIER_TOKEN`` (kept out of config files).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import os
+import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 
 class VerifierUnavailable(RuntimeError):
-    """The verifier service did not give a usable answer within the retry budget."""
+    """No usable answer for a request within the retry budget, or the circuit is open."""
 
 
-def remote_reward_fn(
-    endpoint: str, *, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2
-) -> Callable[..., dict]:
-    """Build a reward function (see ``honing.rewards.registry``) backed by ``endpoint``."""
+@dataclass
+class _Replica:
+    url: str  # .../score
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    ejections: int = 0
+    ejected_until: float = 0.0
 
-    def remote_verifier(response: str, ground_truth: Any, **context: Any) -> dict:
-        body = json.dumps(
-            {"response": response, "ground_truth": ground_truth, **context}, default=str
-        ).encode()
+
+def score_url(endpoint: str) -> str:
+    """``http://host:port`` or ``.../score`` → the ``/score`` URL."""
+    endpoint = endpoint.strip().rstrip("/")
+    return endpoint if endpoint.endswith("/score") else f"{endpoint}/score"
+
+
+class VerifierClient:
+    """Scores items through verifier services (module docstring for the behaviour).
+
+    Args:
+        endpoints: a URL, several separated by commas, or a list of URLs.
+        timeout_s: limit of one HTTP request.
+        retries: further attempts of a failed request.
+        request_items: items per request.
+        max_concurrency: requests in flight at once.
+        cache_size: results remembered (0 = no cache).
+        eject_after: consecutive failures that eject a replica.
+        eject_s: first ejection's length.
+        breaker_failures: consecutive failed requests (all replicas) that open the circuit.
+        breaker_s: how long an open circuit fails requests at once.
+        backoff_s: first retry's wait; doubles per attempt.
+    """
+
+    name = "verifier-service"
+
+    def __init__(
+        self,
+        endpoints: str | list[str],
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        request_items: int = 64,
+        max_concurrency: int = 8,
+        cache_size: int = 100_000,
+        eject_after: int = 2,
+        eject_s: float = 5.0,
+        breaker_failures: int = 8,
+        breaker_s: float = 10.0,
+        backoff_s: float = 0.1,
+    ) -> None:
+        urls = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+        self.replicas = [_Replica(score_url(url)) for url in urls if url.strip()]
+        if not self.replicas:
+            raise ValueError("reward.endpoint: no URL given")
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.request_items, self.max_concurrency = request_items, max_concurrency
+        self.eject_after, self.eject_s = eject_after, eject_s
+        self.breaker_failures, self.breaker_s = breaker_failures, breaker_s
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, dict] = OrderedDict()
+        self._consecutive_failures = 0
+        self._circuit_open_until = 0.0
+        self._next = 0
+        token = os.environ.get("HONING_VERIFIER_TOKEN", "")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._http: httpx.AsyncClient | None = None
+        self.last_latencies_ms: list[float] = []
+        self.last_metrics: dict[str, float] = {}
+
+    def score_batch(self, items: list[dict[str, Any]]) -> list[Any]:
+        """One result per item: ``{"score", **details}`` or the exception that failed it."""
+        self.last_latencies_ms, self.last_metrics = [], dict.fromkeys(_COUNTERS, 0.0)
+        keys = [_cache_key(item) for item in items]
+        results: list[Any] = [self._cache_get(key) for key in keys]
+        self.last_metrics["reward/cache_hits"] = float(sum(r is not None for r in results))
+        todo: dict[str, dict] = {}
+        for key, item, result in zip(keys, items, results, strict=True):
+            if result is None and key not in todo:
+                todo[key] = {k: item.get(k) for k in _ITEM_KEYS if k in item}
+        if todo:
+            future = asyncio.run_coroutine_threadsafe(self._score_all(todo), self._loop)
+            scored = future.result()
+            for index, key in enumerate(keys):
+                if results[index] is None:
+                    results[index] = scored[key]
+        return results
+
+    async def _score_all(self, todo: dict[str, dict]) -> dict[str, Any]:
+        if self._http is None:
+            limits = httpx.Limits(max_connections=self.max_concurrency * 2)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+        keys = list(todo)
+        chunks = [keys[i : i + self.request_items] for i in range(0, len(keys), self.request_items)]
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(chunk: list[str]) -> list[Any]:
+            async with gate:
+                try:
+                    return await self._request([todo[key] for key in chunk])
+                except VerifierUnavailable as exc:
+                    self.last_metrics["reward/failed_items"] += len(chunk)
+                    return [exc] * len(chunk)
+
+        answers = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        scored = {}
+        for chunk, results in zip(chunks, answers, strict=True):
+            for key, result in zip(chunk, results, strict=True):
+                scored[key] = result
+                if isinstance(result, dict):
+                    self._cache_put(key, result)
+        return scored
+
+    async def _request(self, items: list[dict]) -> list[Any]:
+        """POST one chunk, with retries across replicas; per-item results."""
         last_error = ""
-        for attempt in range(retries + 1):
+        for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                endpoint, data=body, method="POST", headers={"Content-Type": "application/json"}
-            )
+                self.last_metrics["reward/retries"] += 1
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            now = time.monotonic()
+            if now < self._circuit_open_until:
+                raise VerifierUnavailable(
+                    f"verifier circuit open after {self._consecutive_failures} failed requests "
+                    f"in a row (last: {last_error or 'see earlier errors'}); retrying in "
+                    f"{self._circuit_open_until - now:.1f} s"
+                )
+            replica = self._pick(now)
+            replica.in_flight += 1
+            start = time.perf_counter()
+            self.last_metrics["reward/requests"] += 1
             try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                    return json.loads(answer.read())
-            except urllib.error.HTTPError as err:
-                last_error = f"HTTP {err.code} from {endpoint}"
-                if err.code < 500:  # the request itself is wrong: retrying will not help
-                    break
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-                last_error = f"{endpoint} unreachable ({getattr(err, 'reason', err)})"
-            except json.JSONDecodeError:
-                last_error = f"{endpoint} answered with something that is not JSON"
-                break
-        raise VerifierUnavailable(f"{last_error} after {attempt + 1} attempt(s)")
+                answer = await self._http.post(
+                    replica.url, json={"items": items}, headers=self._headers
+                )
+            except httpx.HTTPError as exc:
+                last_error = f"{replica.url} unreachable ({type(exc).__name__}: {exc})"
+                self._failed(replica)
+                continue
+            finally:
+                replica.in_flight -= 1
+                self.last_latencies_ms.append((time.perf_counter() - start) * 1000.0)
+            if answer.status_code == 200:
+                results = _parse_results(answer, len(items), replica.url)
+                self._succeeded(replica)
+                return results
+            last_error = f"HTTP {answer.status_code} from {replica.url}: {answer.text[:200]}"
+            if answer.status_code in (429, 503):  # busy: back off, try elsewhere, no ejection
+                self.last_metrics["reward/errors"] += 1
+                continue
+            if answer.status_code >= 500:
+                self._failed(replica)
+                continue
+            self.last_metrics["reward/errors"] += 1
+            raise VerifierUnavailable(last_error)  # 4xx: the request itself is wrong
+        raise VerifierUnavailable(f"{last_error} after {self.retries + 1} attempt(s)")
 
-    return remote_verifier
+    def _pick(self, now: float) -> _Replica:
+        """The healthy replica with fewest requests in flight (round-robin on ties); when all
+        are ejected, the one whose ejection ends first."""
+        healthy = [r for r in self.replicas if r.ejected_until <= now]
+        if not healthy:
+            return min(self.replicas, key=lambda r: r.ejected_until)
+        self._next += 1
+        order = sorted(
+            range(len(healthy)),
+            key=lambda i: (healthy[i].in_flight, (i - self._next) % len(healthy)),
+        )
+        return healthy[order[0]]
+
+    def _failed(self, replica: _Replica) -> None:
+        self.last_metrics["reward/errors"] += 1
+        replica.failures += 1
+        self._consecutive_failures += 1
+        if replica.failures >= self.eject_after:
+            replica.ejections += 1
+            replica.failures = 0
+            length = min(60.0, self.eject_s * 2 ** (replica.ejections - 1))
+            replica.ejected_until = time.monotonic() + length
+            self.last_metrics["reward/ejections"] += 1
+        if self._consecutive_failures >= self.breaker_failures:
+            self._circuit_open_until = time.monotonic() + self.breaker_s
+
+    def _succeeded(self, replica: _Replica) -> None:
+        replica.failures = replica.ejections = 0
+        replica.ejected_until = 0.0
+        self._consecutive_failures = 0
+
+    def _cache_get(self, key: str) -> dict | None:
+        if key not in self._cache:
+            return None
+        self._cache.move_to_end(key)
+        return dict(self._cache[key])
+
+    def _cache_put(self, key: str, result: dict) -> None:
+        if self.cache_size <= 0:
+            return
+        self._cache[key] = result
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def close(self) -> None:
+        """Close connections and stop the background loop."""
+        if self._http is not None:
+            asyncio.run_coroutine_threadsafe(self._http.aclose(), self._loop).result()
+            self._http = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+_ITEM_KEYS = ("response", "ground_truth", "data_source", "extra_info", "prompt")
+_COUNTERS = (
+    "reward/requests",
+    "reward/errors",
+    "reward/retries",
+    "reward/cache_hits",
+    "reward/ejections",
+    "reward/failed_items",
+)
+
+
+def _cache_key(item: dict[str, Any]) -> str:
+    """The item's identity: a reward model's score depends on the prompt too."""
+    fields = [item.get(k) for k in ("data_source", "response", "ground_truth", "extra_info")]
+    fields.append(item.get("prompt"))
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _parse_results(answer: httpx.Response, count: int, url: str) -> list[Any]:
+    """The ``results`` of a 200 answer as ``{"score", **details}`` or an exception per item."""
+    try:
+        results = answer.json()["results"]
+    except (ValueError, KeyError, TypeError):
+        return [VerifierUnavailable(f"{url} answered without a 'results' list")] * count
+    if not isinstance(results, list) or len(results) != count:
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        return [VerifierUnavailable(f"{url} answered {got} results for {count} items")] * count
+    out: list[Any] = []
+    for result in results:
+        if not isinstance(result, dict) or result.get("score") is None:
+            reason = result.get("error") if isinstance(result, dict) else None
+            out.append(VerifierUnavailable(f"{url} could not score the item: {reason}"))
+            continue
+        out.append({"score": result["score"], **(result.get("details") or {})})
+    return out

@@ -58,7 +58,7 @@ def test_unknown_name_lists_builtins_and_forms():
         load_reward_fn("unknown_name")
     message = str(error.value)
     assert "unknown reward function 'unknown_name'" in message
-    assert "format, numeric" in message
+    assert "code, format, math, numeric" in message
     assert "'package.module:function'" in message and "'path/to/file.py:function'" in message
     assert_one_line(error)
 

@@ -1,74 +1,167 @@
-"""The HTTP verifier client against a real server on loopback."""
+"""The verifier-service client against real HTTP servers on loopback."""
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from honing.rewards import Scorer
-from honing.rewards.remote import VerifierUnavailable, remote_reward_fn
+from honing.rewards.remote import VerifierClient, VerifierUnavailable, score_url
 from honing.types import Prompt, Rollout
 
 
-class _Verifier(BaseHTTPRequestHandler):
-    calls = 0
-    fail_first = 0
-
+class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
-        type(self).calls += 1
+        server = self.server
+        server.calls += 1
+        server.auth.append(self.headers.get("Authorization"))
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).calls <= type(self).fail_first:
-            self.send_response(503)
+        server.sizes.append(len(body["items"]))
+        status = server.statuses.pop(0) if server.statuses else 200
+        if status != 200:
+            self.send_response(status)
             self.end_headers()
+            self.wfile.write(b"nope")
             return
-        correct = body["response"].strip() == str(body["ground_truth"])
-        payload = json.dumps({"score": float(correct), "seen_source": body["data_source"]})
+        results = []
+        for item in body["items"]:
+            if item["response"] == "crash":
+                results.append({"score": None, "error": "verifier bug"})
+                continue
+            correct = item["response"].strip() == str(item["ground_truth"])
+            results.append({"score": float(correct), "details": {"seen": item["data_source"]}})
+        payload = json.dumps({"results": results}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        self.wfile.write(payload.encode())
+        self.wfile.write(payload)
 
     def log_message(self, *args):
         pass
 
 
+def _start(statuses=()):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.calls, httpd.sizes, httpd.auth, httpd.statuses = 0, [], [], list(statuses)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 @pytest.fixture
 def server():
-    _Verifier.calls, _Verifier.fail_first = 0, 0
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Verifier)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/score"
+    httpd, url = _start()
+    yield httpd, url
     httpd.shutdown()
 
 
-def test_scores_through_the_service(server):
-    fn = remote_reward_fn(server, timeout_s=5)
-    assert fn("42", "42", prompt="p", data_source="math", extra_info={})["score"] == 1.0
-    result = fn("41", "42", prompt="p", data_source="math", extra_info={})
-    assert result == {"score": 0.0, "seen_source": "math"}
+def _items(*pairs, source="math"):
+    return [{"response": r, "ground_truth": g, "data_source": source} for r, g in pairs]
 
 
-def test_retries_server_errors_then_succeeds(server):
-    _Verifier.fail_first = 2
-    fn = remote_reward_fn(server, timeout_s=5, retries=2, backoff_s=0.01)
-    assert fn("7", "7", prompt="", data_source="", extra_info={})["score"] == 1.0
-    assert _Verifier.calls == 3
+def test_score_url_accepts_base_or_score_path():
+    assert score_url("http://h:1") == "http://h:1/score"
+    assert score_url("http://h:1/score/") == "http://h:1/score"
 
 
-def test_gives_up_with_a_reason(server):
-    _Verifier.fail_first = 10
-    fn = remote_reward_fn(server, timeout_s=5, retries=1, backoff_s=0.01)
-    with pytest.raises(VerifierUnavailable, match="HTTP 503 .* after 2 attempt"):
-        fn("7", "7", prompt="", data_source="", extra_info={})
+def test_scores_in_order_with_details(server):
+    httpd, url = server
+    client = VerifierClient(url, request_items=2)
+    results = client.score_batch(_items(("1", "1"), ("2", "3"), ("4", "4")))
+    assert [r["score"] for r in results] == [1.0, 0.0, 1.0]
+    assert results[0]["seen"] == "math"
+    assert sorted(httpd.sizes) == [1, 2]  # chunked by request_items
+    assert client.last_metrics["reward/requests"] == 2 and len(client.last_latencies_ms) == 2
+    client.close()
 
 
-def test_unreachable_service_is_recorded_by_the_scorer_policy():
-    fn = remote_reward_fn("http://127.0.0.1:9/score", timeout_s=1, retries=0)
-    scorer = Scorer(fn, on_error="zero")
-    prompt = Prompt("p1", "1+1=", "2")
-    rollout = Rollout("p1", 0, [1], [2], [0.0], "stop", 0, "2")
-    [score] = scorer.score({"p1": prompt}, [rollout])
-    assert not score.ok and score.reward == 0.0
-    assert "unreachable" in score.details["error"]
+def test_cache_and_duplicates_are_not_sent_twice(server):
+    httpd, url = server
+    client = VerifierClient(url)
+    client.score_batch(_items(("1", "1"), ("1", "1"), ("2", "2")))
+    assert httpd.sizes == [2]
+    again = client.score_batch(_items(("1", "1"), ("2", "2")))
+    assert [r["score"] for r in again] == [1.0, 1.0]
+    assert httpd.calls == 1 and client.last_metrics["reward/cache_hits"] == 2
+    client.close()
+
+
+def test_retries_server_errors_then_succeeds():
+    httpd, url = _start(statuses=[500, 503])
+    client = VerifierClient(url, retries=2, backoff_s=0.01, eject_after=5)
+    assert client.score_batch(_items(("7", "7")))[0]["score"] == 1.0
+    assert httpd.calls == 3 and client.last_metrics["reward/retries"] == 2
+    client.close()
+    httpd.shutdown()
+
+
+def test_gives_up_with_a_reason_and_the_scorer_counts_it():
+    httpd, url = _start(statuses=[500] * 10)
+    client = VerifierClient(url, retries=1, backoff_s=0.01)
+    [result] = client.score_batch(_items(("7", "7")))
+    assert isinstance(result, VerifierUnavailable)
+    assert "HTTP 500" in str(result) and "after 2 attempt" in str(result)
+    scorer = Scorer(client, on_error="zero")
+    [score] = scorer.score({"p1": Prompt("p1", "q", "7")}, [_rollout("7")])
+    assert not score.ok and score.reward == 0.0 and "HTTP 500" in score.details["error"]
+    client.close()
+    httpd.shutdown()
+
+
+def test_client_errors_are_not_retried():
+    httpd, url = _start(statuses=[422])
+    client = VerifierClient(url, retries=3, backoff_s=0.01)
+    [result] = client.score_batch(_items(("7", "7")))
+    assert isinstance(result, VerifierUnavailable) and "HTTP 422" in str(result)
+    assert httpd.calls == 1
+    client.close()
+    httpd.shutdown()
+
+
+def test_an_item_the_service_could_not_score_is_a_failure(server):
+    _, url = server
+    client = VerifierClient(url)
+    ok, bad = client.score_batch(_items(("1", "1"), ("crash", "1")))
+    assert ok["score"] == 1.0
+    assert isinstance(bad, VerifierUnavailable) and "verifier bug" in str(bad)
+    client.close()
+
+
+def test_dead_replica_is_ejected_and_every_item_is_scored(server):
+    httpd, live = server
+    dead = "http://127.0.0.1:9"  # nothing listens on the discard port
+    client = VerifierClient([dead, live], request_items=1, max_concurrency=1, backoff_s=0.0)
+    results = client.score_batch(_items(*[(str(i), str(i)) for i in range(20)]))
+    assert [r["score"] for r in results] == [1.0] * 20
+    assert client.last_metrics["reward/ejections"] == 1
+    assert client.last_metrics["reward/errors"] == 2  # then the dead one gets no traffic
+    assert httpd.calls == 20
+    client.close()
+
+
+def test_circuit_breaker_fails_fast_when_the_service_is_down():
+    client = VerifierClient(
+        "http://127.0.0.1:9", retries=0, breaker_failures=2, breaker_s=30, eject_after=99
+    )
+    client.score_batch(_items(("1", "1"), ("2", "2"), source="a"))  # 1 request, 1 failure
+    client.score_batch(_items(("3", "3")))  # 2nd failure opens the circuit
+    start = time.perf_counter()
+    [result] = client.score_batch(_items(("4", "4")))
+    assert "circuit open" in str(result) and time.perf_counter() - start < 0.5
+    assert client.last_metrics["reward/requests"] == 0
+    client.close()
+
+
+def test_bearer_token_from_the_environment(server, monkeypatch):
+    httpd, url = server
+    monkeypatch.setenv("HONING_VERIFIER_TOKEN", "s3cret")
+    client = VerifierClient(url)
+    client.score_batch(_items(("1", "1")))
+    assert httpd.auth == ["Bearer s3cret"]
+    client.close()
+
+
+def _rollout(text):
+    return Rollout("p1", 0, [1], [2], [0.0], "stop", 0, text)
