@@ -1,6 +1,8 @@
 """The ``honing`` command.
 
     honing train [CONFIG.yaml] [section.key=value ...] [--output-dir DIR] [--resume auto|never|PATH]
+    honing serve verifier [--host H] [--port P] [--workers N] [--token T] [...]
+    honing serve reward-model --model PATH [--host H] [--port P] [--token T] [...]
 
 A ``UserError`` (bad config, data or input) prints one line and exits with status 2; nothing is
 written to the run directory before the config, the data and the model have loaded.
@@ -35,7 +37,86 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (newest complete checkpoint in the run directory), never, "
         "or a checkpoint directory",
     )
+    _add_serve(commands)
     return parser
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run a scoring service over HTTP")
+    kinds = serve.add_subparsers(dest="service", required=True)
+    verifier = kinds.add_parser("verifier", help="math / code / numeric verifiers at POST /score")
+    verifier.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="math processes and programs run at once (default: one per core)",
+    )
+    verifier.add_argument(
+        "--function",
+        default="",
+        help="reward function for data sources "
+        "the built-in routes do not know (module:function or file.py:function)",
+    )
+    verifier.add_argument("--math-timeout-s", type=float, default=5.0)
+    verifier.add_argument("--code-timeout-s", type=float, default=10.0)
+    model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
+    model.add_argument("--model", required=True, help="local Hugging Face model directory")
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    model.add_argument("--max-batch", type=int, default=32, help="items per forward pass")
+    model.add_argument(
+        "--max-wait-ms", type=float, default=5.0, help="how long a batch waits to fill"
+    )
+    model.add_argument("--max-length", type=int, default=2048, help="tokens per item")
+    for sub in (verifier, model):
+        sub.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+        sub.add_argument("--port", type=int, default=8080)
+        sub.add_argument(
+            "--token",
+            default=os.environ.get("HONING_VERIFIER_TOKEN", ""),
+            help="require 'Authorization: Bearer TOKEN' (default: $HONING_VERIFIER_TOKEN)",
+        )
+        sub.add_argument("--max-concurrency", type=int, default=8, help="requests scored at once")
+        sub.add_argument(
+            "--max-queue", type=int, default=64, help="requests waiting; more are refused with 503"
+        )
+        sub.add_argument("--max-body-mb", type=float, default=16.0)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    guards = {
+        "token": ns.token,
+        "max_concurrency": ns.max_concurrency,
+        "max_queue": ns.max_queue,
+        "max_body_bytes": int(ns.max_body_mb * (1 << 20)),
+    }
+    if ns.service == "verifier":
+        from honing.services.verifier import verifier_app
+
+        app = verifier_app(
+            workers=ns.workers,
+            function=ns.function,
+            math_timeout_s=ns.math_timeout_s,
+            code_timeout_s=ns.code_timeout_s,
+            **guards,
+        )
+    else:
+        from honing.services.reward_model import reward_model_app
+
+        app = reward_model_app(
+            ns.model,
+            device=ns.device,
+            max_batch=ns.max_batch,
+            max_wait_ms=ns.max_wait_ms,
+            max_length=ns.max_length,
+            **guards,
+        )
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.token:
+        print(f"honing: warning: serving on {ns.host} without --token", file=sys.stderr)
+    print(f"honing {ns.service}: http://{ns.host}:{ns.port}/score", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    return 0
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -82,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after the options too: `train cfg.yaml --output-dir d key=value`.
     ns, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ns.args = ns.args + extra
+    if unknown or (extra and ns.command != "train"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     try:
+        if ns.command == "serve":
+            return run_serve(ns)
+        ns.args = ns.args + extra
         return run_train(ns)
     except UserError as err:
         print(f"honing: error: {err}", file=sys.stderr)

@@ -36,6 +36,7 @@ class Collected:
     gen_seconds: float = 0.0
     reward_seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
+    reward_counters: Counter = field(default_factory=Counter)  # client: errors, retries, ...
     baselines: dict[int, float] = field(default_factory=dict)  # remax: greedy score by group
 
 
@@ -62,6 +63,7 @@ def collect(config: Config, parts: Components, step: int, seed: int) -> Collecte
         t1 = time.perf_counter()
         scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
         out.latencies_ms += parts.scorer.last_latencies_ms
+        out.reward_counters.update(parts.scorer.last_metrics)
         out.reward_seconds += time.perf_counter() - t1
         out.gen_seconds += t1 - t0
         out.rounds += 1

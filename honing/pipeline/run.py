@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from honing.checkpoint import CheckpointManager
 from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.monitor import RunLogger
-from honing.pipeline.components import build_components
+from honing.pipeline.components import Components, build_components
 from honing.pipeline.state import CONFIG_FILE, load_training_state
 from honing.pipeline.sync import SyncLoop
 
@@ -87,6 +88,20 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
         torch.set_num_threads(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
     parts = build_components(config, log=log)
+    try:
+        return _train(config, run_dir, parts, checkpoints, checkpoint, log)
+    finally:
+        parts.scorer.close()
+
+
+def _train(
+    config: Config,
+    run_dir: Path,
+    parts: Components,
+    checkpoints: CheckpointManager,
+    checkpoint: Path | None,
+    log: Callable[[str], None],
+) -> dict:
     start, changed = 0, []
     if checkpoint is not None:
         changed = config_changes(checkpoint, config)

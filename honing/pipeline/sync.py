@@ -181,7 +181,9 @@ class SyncLoop:
             "samples/filtered": sum(got.filtered.values()),
             "samples/score_errors": sum(not s.ok for s in scores),
             "samples/gen_rounds": got.rounds,
+            "reward/latency_p50_ms": latencies[(len(latencies) - 1) // 2],
             "reward/latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))],
+            **got.reward_counters,
         }
         metrics |= {f"samples/filtered_{reason}": n for reason, n in got.filtered.items()}
         if rewards:

@@ -144,6 +144,13 @@ class Scorer:
         name = _function_name(fn)
         return [_outcome(name, result) for result in raw]
 
+    def close(self) -> None:
+        """Release what the reward functions hold (worker pools, connections)."""
+        for fn in [self.reward_fn, *(fn for _, fn, _ in self.weighted)]:
+            close = getattr(fn, "close", None)
+            if callable(close):
+                close()
+
     def _failed(self, prompt: Prompt, reason: str) -> Score:
         if self.on_error == "fail":
             raise RewardError(

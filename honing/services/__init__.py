@@ -1,0 +1,1 @@
+"""HTTP services: the verifier and reward-model scorers behind ``honing serve``."""

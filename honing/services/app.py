@@ -1,0 +1,224 @@
+"""The HTTP shell shared by ``honing serve verifier`` and ``honing serve reward-model``.
+
+``POST /score`` takes ``{"items": [{"data_source", "response", "ground_truth",
+"extra_info", "prompt"?}, ...]}`` and answers ``{"results": [{"score": float, "details":
+{...}}, ...]}`` in the same order; an item that could not be scored (a verifier bug, not a
+wrong answer) answers ``{"score": null, "error": "..."}`` so the client's ``on_error`` policy
+counts it. ``GET /health`` says the service is up and what it runs; ``GET /metrics`` is
+Prometheus text.
+
+Guards: a request body limit (413), a bearer token when configured (401), validation with a
+message naming the bad field (422), and bounded concurrency with back-pressure: at most
+``max_concurrency`` requests are scored at once and ``max_queue`` wait; past that a request is
+refused at once with 503 and ``Retry-After`` rather than piling up (the client retries
+elsewhere or later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from honing.rewards.registry import describe_error
+
+_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Metrics:
+    """Counters and a latency histogram in Prometheus' text format."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.requests: Counter[str] = Counter()  # by status code
+        self.items: Counter[str] = Counter()  # by verdict
+        self.buckets = [0] * len(_BUCKETS_S)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.in_flight = 0
+        self.waiting = 0
+
+    def observe(self, seconds: float) -> None:
+        self.latency_sum += seconds
+        self.latency_count += 1
+        for index, bound in enumerate(_BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[index] += 1
+
+    def render(self) -> str:
+        label = f'service="{self.service}"'
+        lines = ["# TYPE honing_requests_total counter"]
+        lines += [
+            f'honing_requests_total{{{label},code="{code}"}} {n}'
+            for code, n in sorted(self.requests.items())
+        ]
+        lines.append("# TYPE honing_items_total counter")
+        lines += [
+            f'honing_items_total{{{label},verdict="{verdict}"}} {n}'
+            for verdict, n in sorted(self.items.items())
+        ]
+        lines.append("# TYPE honing_request_seconds histogram")
+        lines += [
+            f'honing_request_seconds_bucket{{{label},le="{bound}"}} {n}'
+            for bound, n in zip(_BUCKETS_S, self.buckets, strict=True)
+        ]
+        lines += [
+            f'honing_request_seconds_bucket{{{label},le="+Inf"}} {self.latency_count}',
+            f"honing_request_seconds_sum{{{label}}} {self.latency_sum:.6f}",
+            f"honing_request_seconds_count{{{label}}} {self.latency_count}",
+            "# TYPE honing_in_flight gauge",
+            f"honing_in_flight{{{label}}} {self.in_flight}",
+            "# TYPE honing_waiting gauge",
+            f"honing_waiting{{{label}}} {self.waiting}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+class BadRequest(ValueError):
+    """The request body is not the ``/score`` envelope; the message names the field."""
+
+
+def parse_items(body: bytes) -> list[dict[str, Any]]:
+    """The ``items`` of a ``/score`` body, checked field by field.
+
+    Raises:
+        BadRequest: not JSON, no ``items`` list, or an item with a wrong field type.
+    """
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON ({exc})") from None
+    items = payload.get("items") if isinstance(payload, dict) else None
+    if not isinstance(items, list):
+        raise BadRequest('expected {"items": [...]}')
+    for index, item in enumerate(items):
+        where = f"items[{index}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where}: expected an object")
+        if not isinstance(item.get("response"), str):
+            raise BadRequest(f"{where}.response: expected a string")
+        for key, kind in (("data_source", str), ("prompt", str), ("extra_info", dict)):
+            if item.get(key) is not None and not isinstance(item[key], kind):
+                raise BadRequest(f"{where}.{key}: expected {kind.__name__}")
+        item.setdefault("data_source", "")
+        item["extra_info"] = item.get("extra_info") or {}
+    return items
+
+
+def result_json(result: Any) -> tuple[dict[str, Any], str]:
+    """One scorer result as the wire form, and its verdict for the metrics."""
+    if isinstance(result, BaseException):
+        return {"score": None, "error": describe_error(result)}, "error"
+    if isinstance(result, dict):
+        score, details = result.get("score"), {k: v for k, v in result.items() if k != "score"}
+    else:
+        score, details = result, {}
+    try:
+        score = float(score)
+    except (TypeError, ValueError):
+        return {"score": None, "error": f"scorer returned {score!r}"}, "error"
+    if not math.isfinite(score):
+        return {"score": None, "error": f"scorer returned {score}"}, "error"
+    return {"score": score, "details": details}, str(details.get("verdict", "scored"))
+
+
+def create_app(
+    scorer: Any,
+    *,
+    service: str,
+    health: Callable[[], dict[str, Any]] | None = None,
+    token: str = "",
+    max_body_bytes: int = 16 << 20,
+    max_concurrency: int = 8,
+    max_queue: int = 64,
+) -> FastAPI:
+    """A FastAPI app serving ``scorer.score_batch`` under the guards of the module docstring;
+    ``health`` adds fields to ``GET /health``."""
+    metrics = _Metrics(service)
+    executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=service)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        executor.shutdown(wait=False, cancel_futures=True)
+        closer = getattr(scorer, "close", None)
+        if callable(closer):
+            closer()
+
+    app = FastAPI(title=f"honing {service}", docs_url=None, redoc_url=None, lifespan=lifespan)
+    gate = asyncio.Semaphore(max_concurrency)
+    expected_auth = f"Bearer {token}".encode()
+
+    def refuse(code: int, message: str, **headers: str) -> JSONResponse:
+        metrics.requests[str(code)] += 1
+        return JSONResponse({"error": message}, status_code=code, headers=headers)
+
+    @app.post("/score")
+    async def score(request: Request) -> JSONResponse:
+        if token and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_auth
+        ):
+            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > max_body_bytes:
+            return refuse(413, f"body of {declared} bytes is over the {max_body_bytes} limit")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                return refuse(413, f"body is over the {max_body_bytes}-byte limit")
+        try:
+            items = parse_items(bytes(body))
+        except BadRequest as exc:
+            return refuse(422, str(exc))
+        if metrics.in_flight + metrics.waiting >= max_concurrency + max_queue:
+            return refuse(
+                503, "busy: too many requests waiting; retry later", **{"Retry-After": "1"}
+            )
+        start = time.perf_counter()
+        metrics.waiting += 1
+        try:
+            async with gate:
+                metrics.waiting -= 1
+                metrics.in_flight += 1
+                try:
+                    loop = asyncio.get_running_loop()
+                    raw = await loop.run_in_executor(executor, scorer.score_batch, items)
+                finally:
+                    metrics.in_flight -= 1
+        except Exception as exc:  # noqa: BLE001 - a scorer crash fails the request, not the server
+            return refuse(500, f"scoring failed: {describe_error(exc)}")
+        results = []
+        for result in raw:
+            wire, verdict = result_json(result)
+            metrics.items[verdict] += 1
+            results.append(wire)
+        metrics.observe(time.perf_counter() - start)
+        metrics.requests["200"] += 1
+        return JSONResponse({"results": results})
+
+    @app.get("/health")
+    async def healthz() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "service": service,
+            "in_flight": metrics.in_flight,
+            "waiting": metrics.waiting,
+            **(health() if health else {}),
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

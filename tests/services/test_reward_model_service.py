@@ -1,0 +1,71 @@
+"""The reward-model service: a small sequence-classification model made in the test, scored
+through /score with dynamic batching; batched scores equal one-at-a-time scores."""
+
+import threading
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from honing.services.reward_model import RewardModelScorer, reward_model_app
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(micro_model_dir, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(micro_model_dir, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(micro_model_dir)
+    out = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+TEXTS = [("12+5=", "17"), ("3+4=", "7 because"), ("1+1=", "2"), ("90+9=", "99 ok then")]
+
+
+def _alone(path, prompt, response):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.inference_mode():
+        return model(**tokenizer(prompt + response, return_tensors="pt")).logits[0, 0].item()
+
+
+def test_batched_scores_equal_single_scores(reward_model_dir):
+    scorer = RewardModelScorer(str(reward_model_dir), device="cpu", max_batch=8, max_wait_ms=50)
+    items = [{"prompt": p, "response": r} for p, r in TEXTS]
+    results = scorer.score_batch(items)
+    expected = [_alone(reward_model_dir, p, r) for p, r in TEXTS]
+    assert [r["score"] for r in results] == pytest.approx(expected, abs=1e-4)
+    assert scorer.batch_sizes == [4]  # padded together, still the same scores
+    scorer.close()
+
+
+def test_concurrent_requests_share_forward_passes(serve, reward_model_dir):
+    app = reward_model_app(str(reward_model_dir), device="cpu", max_batch=16, max_wait_ms=100)
+    url = serve(app)
+    answers = []
+
+    def post(prompt, response):
+        payload = {"items": [{"prompt": prompt, "response": response}]}
+        answers.append(httpx.post(f"{url}/score", json=payload, timeout=30).json())
+
+    threads = [threading.Thread(target=post, args=pair) for pair in TEXTS * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 8 and all(a["results"][0]["score"] is not None for a in answers)
+    health = httpx.get(f"{url}/health").json()
+    assert health["service"] == "reward-model" and health["items_scored"] == 8
+    assert health["forward_passes"] < 8  # requests in flight together share a forward pass
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'honing_requests_total{service="reward-model",code="200"} 8' in metrics
+
+
+def test_missing_model_is_one_clear_error(tmp_path):
+    from honing.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot load a sequence-classification model"):
+        RewardModelScorer(str(tmp_path / "nope"))

@@ -1,0 +1,96 @@
+"""The verifier service's envelope and guards, served by uvicorn on loopback."""
+
+import threading
+import time
+
+import httpx
+
+from honing.services.app import create_app
+from honing.services.verifier import verifier_app
+
+
+def _post(url, payload, **kwargs):
+    return httpx.post(f"{url}/score", json=payload, timeout=30, **kwargs)
+
+
+def test_scores_routed_items_in_order(serve):
+    url = serve(verifier_app(workers=1))
+    items = [
+        {"data_source": "arithmetic", "response": "12", "ground_truth": "12"},
+        {"data_source": "arithmetic", "response": "13", "ground_truth": "12"},
+        {"data_source": "unknown_set", "response": "1", "ground_truth": "1"},
+    ]
+    answer = _post(url, {"items": items})
+    assert answer.status_code == 200
+    first, second, third = answer.json()["results"]
+    assert (first["score"], second["score"]) == (1.0, 0.0)
+    assert first["details"]["verdict"] == "correct"
+    assert third["score"] is None and "no reward function" in third["error"]
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and "openai/gsm8k" in health["routes"]
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'honing_requests_total{service="verifier",code="200"} 1' in metrics
+    assert 'honing_items_total{service="verifier",verdict="correct"} 1' in metrics
+    assert "honing_request_seconds_count" in metrics
+
+
+def test_token_is_required_when_configured(serve):
+    url = serve(verifier_app(workers=1, token="s3cret"))
+    payload = {"items": [{"data_source": "arithmetic", "response": "1", "ground_truth": "1"}]}
+    assert _post(url, payload).status_code == 401
+    wrong = _post(url, payload, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    right = _post(url, payload, headers={"Authorization": "Bearer s3cret"})
+    assert right.status_code == 200 and right.json()["results"][0]["score"] == 1.0
+
+
+def test_bad_requests_say_what_is_wrong(serve):
+    url = serve(verifier_app(workers=1, max_body_bytes=2000))
+    too_big = _post(url, {"items": [{"response": "x" * 5000}]})
+    assert too_big.status_code == 413 and "limit" in too_big.json()["error"]
+    not_json = httpx.post(f"{url}/score", content=b"{nope", timeout=10)
+    assert not_json.status_code == 422 and "not JSON" in not_json.json()["error"]
+    bad_item = _post(url, {"items": [{"response": "1"}, {"response": 5}]})
+    assert bad_item.status_code == 422
+    assert bad_item.json()["error"] == "items[1].response: expected a string"
+    assert _post(url, {"item": []}).json()["error"] == 'expected {"items": [...]}'
+
+
+class _Slow:
+    def __init__(self):
+        self.release = threading.Event()
+
+    def score_batch(self, items):
+        self.release.wait(10)
+        return [{"score": 1.0} for _ in items]
+
+
+def test_back_pressure_refuses_past_the_queue(serve):
+    scorer = _Slow()
+    url = serve(create_app(scorer, service="t", max_concurrency=1, max_queue=1))
+    payload = {"items": [{"response": "a"}]}
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(_post(url, payload))) for _ in "ab"]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/health").json()["waiting"] < 1:  # one scoring, one waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    refused = _post(url, payload)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    scorer.release.set()
+    for thread in threads:
+        thread.join()
+    assert [a.status_code for a in answers] == [200, 200]
+
+
+def test_scorer_crash_is_a_500_not_a_dead_server(serve):
+    class Broken:
+        def score_batch(self, items):
+            raise RuntimeError("boom")
+
+    url = serve(create_app(Broken(), service="t"))
+    answer = _post(url, {"items": [{"response": "a"}]})
+    assert answer.status_code == 500 and "RuntimeError: boom" in answer.json()["error"]
+    assert httpx.get(f"{url}/health").status_code == 200
