@@ -39,12 +39,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import secrets
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -160,6 +160,24 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 @cache
+def sandbox_python(backend: str = "auto") -> str:
+    """A Python interpreter the sandboxed uid can run: this one if it can (a pyenv or venv
+    under a private ``$HOME`` it cannot), else the system's ``python3``.
+
+    Raises:
+        RuntimeError: no interpreter runs inside the sandbox.
+    """
+    backend = resolve_backend(backend)
+    candidates = [os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    for python in dict.fromkeys(candidates):
+        if os.path.exists(python):
+            probe = run_sandboxed([python, "-I", "-c", "pass"], backend=backend)
+            if probe.returncode == 0:
+                return python
+    raise RuntimeError(f"no Python interpreter runs inside the {backend!r} sandbox")
+
+
+@cache
 def _warn_none_once() -> None:
     log.warning(_NONE_WARNING, backend_works("bwrap"), backend_works("unshare"))
 
@@ -203,21 +221,14 @@ def _count_processes(uid: int) -> int:
     return count
 
 
-def _preexec(limits: Limits, nproc: int):
+def _limited(argv: list[str], limits: Limits, nproc: int) -> list[str]:
+    """``argv`` under ``prlimit`` (hard = soft limits; cheaper than a preexec_fn fork)."""
     cpu_s = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
-
-    def apply() -> None:
-        for kind, value in (
-            (resource.RLIMIT_CPU, cpu_s),
-            (resource.RLIMIT_AS, limits.memory_bytes),
-            (resource.RLIMIT_NPROC, nproc),
-            (resource.RLIMIT_FSIZE, limits.max_file_bytes),
-            (resource.RLIMIT_NOFILE, limits.max_open_files),
-            (resource.RLIMIT_CORE, 0),
-        ):
-            resource.setrlimit(kind, (value, value))
-
-    return apply
+    return [
+        *("prlimit", f"--cpu={cpu_s}", f"--as={limits.memory_bytes}", f"--nproc={nproc}"),
+        *(f"--fsize={limits.max_file_bytes}", f"--nofile={limits.max_open_files}", "--core=0"),
+        *("--", *argv),
+    ]
 
 
 class _Capture:
@@ -305,7 +316,7 @@ def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxRe
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            _wrap(isolation, argv, workdir),
+            _limited(_wrap(isolation, argv, workdir), limits, nproc),
             cwd=workdir,
             env=env,
             stdin=subprocess.PIPE,
@@ -313,7 +324,6 @@ def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxRe
             stderr=subprocess.PIPE,
             start_new_session=True,
             pass_fds=(channel_write,) if channel else (),
-            preexec_fn=_preexec(limits, nproc),
             **user,
         )
     except OSError as exc:
