@@ -57,7 +57,7 @@ _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)(?:\s+is)?\s*[:=]?\s*", 
 _NUMBER_RE = re.compile(r"(?<![\w)\]])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|\n")
 _SPACING_RE = re.compile(
-    r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])\.?|\\[!,;:> ]|~|\\q?quad|\\displaystyle"
+    r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])\.?|(?<!\\)\\[!,;:> ]|~|\\q?quad|\\displaystyle"
 )
 _TEXT_RE = re.compile(r"\\(?:text|textbf|textrm|textit|mbox|mathbf|mathrm)\s*\{([^{}]*)\}")
 _UNIT_TEXT_RE = re.compile(
