@@ -57,6 +57,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="reward function for data sources "
         "the built-in routes do not know (module:function or file.py:function)",
     )
+    verifier.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="DATA_SOURCE=SPEC",
+        help="score a data source with a reward function (repeatable)",
+    )
     verifier.add_argument("--math-timeout-s", type=float, default=5.0)
     verifier.add_argument("--code-timeout-s", type=float, default=10.0)
     model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
@@ -94,9 +101,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.service == "verifier":
         from honing.services.verifier import verifier_app
 
+        routes = dict(item.split("=", 1) for item in ns.route if "=" in item)
+        if len(routes) != len(ns.route):
+            raise UserError(f"--route expects DATA_SOURCE=SPEC, got {ns.route}")
         app = verifier_app(
             workers=ns.workers,
             function=ns.function,
+            routes=routes,
             math_timeout_s=ns.math_timeout_s,
             code_timeout_s=ns.code_timeout_s,
             **guards,

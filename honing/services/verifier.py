@@ -3,7 +3,8 @@
 Items are routed by ``data_source`` with the same table as ``reward.function: auto``
 (``honing.rewards.routing``), so a trainer pointed at this service with
 ``reward.endpoint`` scores exactly as it would in-process; ``--function`` names a reward
-function for data sources the table does not know. ``--workers`` is the number of math
+function for data sources the table does not know, and ``--route DATA_SOURCE=SPEC`` adds or
+overrides a route. ``--workers`` is the number of math
 worker processes and of programs run at once.
 """
 
@@ -21,6 +22,7 @@ def verifier_app(
     *,
     workers: int = 0,
     function: str = "",
+    routes: dict[str, str] | None = None,
     math_timeout_s: float = 5.0,
     code_timeout_s: float = 10.0,
     **guards: Any,
@@ -28,12 +30,10 @@ def verifier_app(
     """The verifier service app; ``guards`` go to ``create_app`` (token, limits)."""
     settings = VerifierSettings(workers, math_timeout_s, code_timeout_s)
     fallback = build_builtin(function, settings) if function else None
-    router = RewardRouter(DEFAULT_ROUTES, fallback=fallback, settings=settings)
-    health = {"routes": sorted(DEFAULT_ROUTES), "fallback": function or None, "workers": workers}
-    try:
-        from honing.rewards.sandbox import isolation_backend
+    table = DEFAULT_ROUTES | (routes or {})
+    router = RewardRouter(table, fallback=fallback, settings=settings)
+    health = {"routes": table, "fallback": function or None, "workers": workers}
+    from honing.rewards.sandbox import detect_backend
 
-        health["isolation"] = isolation_backend()
-    except ImportError:
-        pass
+    health["isolation"] = detect_backend()  # what code runs in: bwrap, unshare or none
     return create_app(router, service="verifier", health=lambda: health, **guards)
