@@ -334,7 +334,7 @@ def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxRe
     if channel_write is not None:
         os.close(channel_write)
     captures, timed_out = _pump(proc, stdin, channel_read, limits, started)
-    _kill_everything(proc, isolation, token)
+    _kill_everything(proc, ids, token)
     wall_s = time.monotonic() - started
     code = proc.returncode
     return SandboxResult(
@@ -408,32 +408,40 @@ def _feed(proc, pending: memoryview) -> memoryview:
         return pending[:0]
 
 
-def _kill_everything(proc, isolation: str, token: str) -> None:
-    """SIGKILL the run's process group (with namespaces, killing the outer process tears down
-    the PID namespace); for backend none also sweep processes carrying the run's marker."""
+def _kill_everything(proc, ids: tuple[int, int] | None, token: str) -> None:
+    """SIGKILL the run's process group, then every process left of the run until none remain:
+    when root, those of the run's fresh uid; otherwise those whose environment carries the
+    run's marker (best effort: one that cleared its environment, as a non-root user without
+    namespaces, is not found). With namespaces the PID namespace dies with its first process;
+    the sweep waits for that to finish."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    if isolation == "none":
-        _sweep_marked(token)
-
-
-def _sweep_marked(token: str) -> None:
-    """Kill stray processes whose environment carries ``token`` (escaped the group via setsid).
-    Best effort: a process that cleared its environment is not found."""
     needle = f"{_MARKER_ENV}={token}".encode()
-    for _round in range(3):
-        found = False
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                    marked = needle in handle.read()
-                if marked:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    found = True
-            except OSError:
-                continue
+    for _round in range(200):
+        found = [pid for pid in _live_pids() if _belongs(pid, ids, needle)]
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         if not found:
             return
+        time.sleep(0.005)
+    log.warning("sandbox: processes of run %s survived the kill sweep", token)
+
+
+def _live_pids() -> list[int]:
+    return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+
+
+def _belongs(pid: int, ids: tuple[int, int] | None, needle: bytes) -> bool:
+    try:
+        if ids:
+            with open(f"/proc/{pid}/status", "rb") as handle:
+                status = handle.read(2048).decode(errors="replace")
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            alive = fields.get("State", "").split()[:1] not in (["Z"], ["X"])
+            return alive and fields.get("Uid", "").split()[:1] == [str(ids[0])]
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return needle in handle.read()
+    except OSError:
+        return False

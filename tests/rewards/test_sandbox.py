@@ -1,0 +1,190 @@
+"""Sandbox: plain runs, limits, and the adversarial suite on every backend that works here.
+
+Each adversarial program carries a unique marker in its command line; after the run no process
+with that marker may survive (scanned in /proc), and nothing outside its directory may change.
+"""
+
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from honing.rewards.sandbox import (
+    BACKENDS,
+    Limits,
+    backend_works,
+    resolve_backend,
+    run_sandboxed,
+    sandbox_python,
+)
+
+SHORT = Limits(timeout_s=1.5, max_output_bytes=64 << 10)
+ROOT = os.geteuid() == 0
+backends = [
+    pytest.param(b, marks=pytest.mark.skipif(not backend_works(b), reason=f"{b} unavailable"))
+    for b in BACKENDS
+]
+namespaced = [p for p in backends if p.values[0] != "none"]
+
+
+def _run(backend: str, code: str, limits: Limits = SHORT, **kwargs):
+    """Run ``code`` with a fresh marker comment; returns (result, marker)."""
+    marker = f"honing-test-{uuid.uuid4().hex}"
+    python = sandbox_python(backend)
+    result = run_sandboxed(
+        [python, "-c", f"# {marker}\n{code}"], limits=limits, backend=backend, **kwargs
+    )
+    return result, marker
+
+
+def _survivors(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                    if marker.encode() in handle.read():
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown sandbox backend"):
+        resolve_backend("docker")
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_plain_run_stdin_files_and_private_dir(backend):
+    code = "import os, sys\nprint(sys.stdin.read().upper(), open('data.txt').read(), os.getcwd())"
+    result, _ = _run(backend, code, stdin=b"hello", files={"data.txt": "x"})
+    words = result.stdout.split()
+    assert result.returncode == 0 and words[:2] == ["HELLO", "x"], result
+    assert result.isolation == backend and not result.timed_out
+    assert not os.path.exists(words[2])
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_infinite_loop_is_killed_at_the_deadline(backend):
+    started = time.monotonic()
+    result, marker = _run(backend, "while True:\n    pass")
+    assert result.timed_out and time.monotonic() - started < 3.0
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_fork_bomb_is_contained(backend):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result, marker = _run(backend, code, limits=Limits(timeout_s=1.5, max_processes=32))
+    assert result.timed_out
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_memory_bomb_fails(backend):
+    result, marker = _run(backend, "blocks = []\nwhile True:\n    blocks.append(b'x' * (64 << 20))")
+    assert result.returncode != 0 and "MemoryError" in result.stderr
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_endless_output_is_capped(backend):
+    result, marker = _run(backend, "while True:\n    print('y' * 1000)")
+    assert result.stdout_truncated and len(result.stdout) <= SHORT.max_output_bytes
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_huge_file_is_stopped(backend):
+    code = "f = open('big', 'wb')\nwhile True:\n    f.write(b'z' * (1 << 20))"
+    result, _ = _run(backend, code, limits=Limits(timeout_s=2.0, max_file_bytes=4 << 20))
+    assert result.returncode != 0 and not result.timed_out
+    assert result.signal == "SIGXFSZ" or "File too large" in result.stderr
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_child_outliving_its_parent_is_killed(backend):
+    code = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(30)\n    os._exit(0)\nprint('parent done')"
+    )
+    result, marker = _run(backend, code)
+    assert result.returncode == 0 and "parent done" in result.stdout
+    time.sleep(0.1)
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_killing_the_parent_harms_only_the_run(backend):
+    code = "import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)\nos.kill(os.getppid(), 9)"
+    result, marker = _run(backend, code)
+    assert result.returncode != 0 or result.signal
+    assert _survivors(marker) == []
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_files_outside_the_directory_are_untouched(backend, tmp_path):
+    if backend == "none" and not ROOT:
+        pytest.skip("backend none as a non-root user: the user's own files are writable")
+    keep = tmp_path / "keep.txt"
+    keep.write_text("precious")
+    escape = f"/tmp/honing-escape-{uuid.uuid4().hex}"
+    code = (
+        f"import os\nfor action in (lambda: os.remove({str(keep)!r}),\n"
+        f"               lambda: open({escape!r}, 'w').write('x'),\n"
+        f"               lambda: open({str(keep)!r}, 'w').write('gone')):\n"
+        "    try:\n        action()\n        print('did')\n    except OSError as e:\n"
+        "        print('blocked', e)"
+    )
+    result, _ = _run(backend, code)
+    assert keep.read_text() == "precious" and result.stdout.count("blocked") >= 2, result.stdout
+    if backend == "none":  # world-writable /tmp stays writable without a mount namespace
+        os.path.exists(escape) and os.remove(escape)
+    else:  # the write landed in the sandbox's private /tmp, gone with it
+        assert not os.path.exists(escape)
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_secrets_outside_the_directory_are_unreadable(backend, tmp_path):
+    if backend == "none" and not ROOT:
+        pytest.skip("backend none as a non-root user: the user's own files are readable")
+    secret = tmp_path / ".ssh" / "id_fake"
+    secret.parent.mkdir()
+    secret.write_text("SECRET-KEY-MATERIAL")
+    secret.chmod(0o600)
+    home_secret = os.path.expanduser("~/.honing-test-secret")
+    code = (
+        f"for path in ({str(secret)!r}, {home_secret!r}):\n    try:\n"
+        "        print(open(path).read())\n    except OSError as e:\n        print('blocked')"
+    )
+    with open(home_secret, "w") as handle:
+        handle.write("SECRET-KEY-MATERIAL")
+    os.chmod(home_secret, 0o600)
+    try:
+        result, _ = _run(backend, code)
+    finally:
+        os.remove(home_secret)
+    assert "SECRET" not in result.stdout and result.stdout.count("blocked") == 2
+
+
+@pytest.mark.parametrize("backend", namespaced)
+def test_network_is_unreachable(backend):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    code = (
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    print('connected')\nexcept OSError as e:\n    print('blocked', e)"
+    )
+    try:
+        result, _ = _run(backend, code)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+    assert "blocked" in result.stdout and "connected" not in result.stdout
