@@ -153,3 +153,28 @@ def test_overrides_may_follow_the_options(tmp_path):
     )
     assert result.returncode == 2
     assert "did you mean rollout.group_size" in result.stderr
+
+
+def run_serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "honing.cli", "serve", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_serve_reward_model_without_a_model_is_one_line(tmp_path):
+    line = error_line(run_serve(tmp_path, "reward-model", "--model", str(tmp_path / "nope")))
+    assert "cannot load a sequence-classification model from" in line
+
+
+def test_serve_verifier_bad_route_is_one_line(tmp_path):
+    line = error_line(run_serve(tmp_path, "verifier", "--route", "openai/gsm8k"))
+    assert "--route expects DATA_SOURCE=SPEC" in line
+
+
+def test_serve_verifier_unknown_function_is_one_line(tmp_path):
+    line = error_line(run_serve(tmp_path, "verifier", "--function", "nope_fn"))
+    assert "unknown reward function 'nope_fn'" in line
