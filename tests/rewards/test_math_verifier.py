@@ -27,7 +27,9 @@ LABELLED = Path(__file__).parent / "data" / "math_labelled.jsonl"
         ("hence \\boxed 5.", "5."),
         ("clips\n#### 1,234\n", "1,234"),
         ("Final Answer: The final answer is $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
-        ("The answer is 12 cookies. Check: 3*4.", "12 cookies"),
+        ("The answer is 12 cookies. Check: 3*4.", "12"),  # one number in the sentence
+        ("The answer is that there are 5 ways", "5"),
+        ("The answer is $x^2$ since 4 > 3", "x^2"),
         ("**Final answer:** 4", "4"),
         ("x = -1.5", "x = -1.5"),  # a short response that is itself an answer
         ("2 + 2 = 4, so 4 apples remain", "4"),  # the last number
