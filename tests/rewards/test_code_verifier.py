@@ -149,7 +149,7 @@ CHEATS = {
 @pytest.mark.parametrize("backend", backends)
 def test_cheats_score_zero(backend):
     items = [{"response": program, "ground_truth": SQUARE} for program in CHEATS.values()]
-    with CodeVerifier(workers=4, timeout_s=2.0, backend=backend) as verifier:
+    with CodeVerifier(workers=4, timeout_s=1.0, backend=backend) as verifier:
         results = verifier.score_batch(items)
     for name, result in zip(CHEATS, results, strict=True):
         assert result["score"] == 0.0 and result["verdict"] in ("failed", "timeout"), name

@@ -20,7 +20,7 @@ from honing.rewards.sandbox import (
     sandbox_python,
 )
 
-SHORT = Limits(timeout_s=1.5, max_output_bytes=64 << 10)
+SHORT = Limits(timeout_s=1.0, max_output_bytes=64 << 10)
 ROOT = os.geteuid() == 0
 backends = [
     pytest.param(b, marks=pytest.mark.skipif(not backend_works(b), reason=f"{b} unavailable"))
@@ -78,7 +78,7 @@ def test_infinite_loop_is_killed_at_the_deadline(backend):
 @pytest.mark.parametrize("backend", backends)
 def test_fork_bomb_is_contained(backend):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    result, marker = _run(backend, code, limits=Limits(timeout_s=1.5, max_processes=32))
+    result, marker = _run(backend, code, limits=Limits(timeout_s=1.0, max_processes=32))
     assert result.timed_out
     assert _survivors(marker) == []
 
