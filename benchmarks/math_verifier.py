@@ -106,6 +106,19 @@ def run_pooled(pairs: list[tuple[str, str, bool, str]], workers: int) -> dict[st
     return {"per_s": len(pairs) / total, "agree": agree}
 
 
+def run_slow_path_only(pairs: list[tuple[str, str, bool, str]], workers: int) -> dict[str, Any]:
+    """math-verify through the pool on every pair: what the slow path alone sustains."""
+    from honing.rewards.math_pool import MathPool
+
+    with MathPool(workers=workers, timeout_s=5.0) as pool:
+        pool.check([(["$1$"], "$1$")] * workers)
+        started = time.perf_counter()
+        results = pool.check([([gold], prediction) for gold, prediction, _, _ in pairs])
+        total = time.perf_counter() - started
+    agree = sum((r["verdict"] == "correct") == p[2] for r, p in zip(results, pairs, strict=True))
+    return {"per_s": len(pairs) / total, "agree": agree}
+
+
 def labelled_set() -> dict[str, Any]:
     """Ours and math-verify (on the whole response, its own extraction) vs the hand labels."""
     from math_verify import parse, verify
@@ -160,6 +173,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_markdown(report: dict[str, Any]) -> None:
     mv, single, pooled = report["math_verify"], report["honing_single"], report["honing_pooled"]
+    slow = report["slow_path_only"]
     n = report["n_pairs"]
     lines = [
         "# Math verifier vs math-verify",
@@ -177,6 +191,9 @@ def write_markdown(report: dict[str, Any]) -> None:
         f"{single['p50_ms']} | {single['p99_ms']} | {single['max_ms']} |",
         f"| honing, `score_batch`, 2 workers | {pooled['per_s']:.1f} | "
         f"{pooled['per_s'] / mv['per_s']:.1f} | {pooled['agree']:.0f}/{n} | | | |",
+        f"| math-verify in honing's pool only (slow path forced), 2 workers | "
+        f"{slow['per_s']:.1f} | {slow['per_s'] / mv['per_s']:.1f} | {slow['agree']:.0f}/{n} "
+        "| | | |",
         "",
         f"Slow-path checks (math-verify in a worker) among the pairs: {single['slow_path']:.0f}.",
         "",
@@ -214,11 +231,17 @@ def main() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     peer = load_peer()
     pairs = peer_pairs(peer, args.pairs)
-    runs: dict[str, list[dict[str, Any]]] = {"math_verify": [], "single": [], "pooled": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "math_verify": [],
+        "single": [],
+        "pooled": [],
+        "slow_path_only": [],
+    }
     for repeat in range(args.repeats):
         runs["math_verify"].append(run_math_verify(pairs))
         runs["single"].append(run_single(pairs))
         runs["pooled"].append(run_pooled(pairs, workers=2))
+        runs["slow_path_only"].append(run_slow_path_only(pairs, workers=2))
         print(
             f"repeat {repeat + 1}: "
             + ", ".join(f"{k} {v[-1]['per_s']:.1f}/s" for k, v in runs.items())
@@ -230,6 +253,7 @@ def main() -> None:
         "math_verify": median_of(runs["math_verify"]),
         "honing_single": median_of(runs["single"]),
         "honing_pooled": median_of(runs["pooled"]),
+        "slow_path_only": median_of(runs["slow_path_only"]),
         "runs": runs,
         "labelled": labelled_set(),
         "deadline": deadline_overshoot(),

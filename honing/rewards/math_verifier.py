@@ -25,6 +25,8 @@ from honing.rewards.math_equivalence import fast_check
 from honing.rewards.math_exact import Unsupported
 from honing.rewards.math_pool import Job, MathPool
 
+MAX_REPORTED_CHARS = 200  # of the extracted answer in a result (results travel over HTTP)
+
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*(\{|[^\s{])")
 _HASHES_RE = re.compile(r"####[ \t]*([^\n]+)")
 _ANSWER_IS_RE = re.compile(
@@ -77,7 +79,7 @@ def extract_answer(text: str, *, last_number_fallback: bool = True) -> str | Non
 
 def _last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{..}`` whose braces close (or ``\\boxed 5``)."""
-    for match in reversed(list(_BOXED_RE.finditer(text))):
+    for match in list(_BOXED_RE.finditer(text))[::-1][:20]:  # bounded on unclosed boxes
         if match.group(1) != "{":
             return re.match(r"[^\s$]+", text[match.start(1) :]).group(0)  # type: ignore[union-attr]
         depth = 1
@@ -146,6 +148,10 @@ def _truth_text(ground_truth: Any) -> str:
 
 
 def _result(score: float, verdict: str, reason: str, extracted: str | None, path: str) -> dict:
+    if extracted is not None and len(extracted) > MAX_REPORTED_CHARS:
+        extracted = extracted[:MAX_REPORTED_CHARS] + "..."
+    if len(reason) > 2 * MAX_REPORTED_CHARS:
+        reason = reason[: 2 * MAX_REPORTED_CHARS] + "..."
     return {
         "score": score,
         "verdict": verdict,
