@@ -85,7 +85,8 @@ def test_fork_bomb_is_contained(backend):
 
 @pytest.mark.parametrize("backend", backends)
 def test_memory_bomb_fails(backend):
-    result, marker = _run(backend, "blocks = []\nwhile True:\n    blocks.append(b'x' * (64 << 20))")
+    code = "blocks = []\nwhile True:\n    blocks.append(b'x' * (64 << 20))"
+    result, marker = _run(backend, code, limits=Limits(timeout_s=5.0, memory_bytes=512 << 20))
     assert result.returncode != 0 and "MemoryError" in result.stderr
     assert _survivors(marker) == []
 
