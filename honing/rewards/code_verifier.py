@@ -38,176 +38,27 @@ import os
 import re
 import secrets
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from honing.rewards.sandbox import (
-    Limits,
-    SandboxResult,
-    resolve_backend,
-    run_sandboxed,
-    sandbox_python,
-)
+from honing.rewards.sandbox import Limits, SandboxResult, resolve_backend
+from honing.rewards.zygote import ZygotePool
 
 SCORINGS = ("all", "pass_rate")
 _FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("python", "py", "python3")
+_SHARED_POOLS: dict[str, ZygotePool] = {}
+_SHARED_LOCK = threading.Lock()
 
-# The judge (trusted) and, after its fork, the candidate stub; run as `python -I -c _JUDGE`.
-_JUDGE = r"""
-import ast, builtins, marshal, os, struct, sys
-try:  # prctl(PR_SET_DUMPABLE, 0): the candidate can no longer open /proc/<judge>/{mem,fd}
-    import _ctypes
-    _ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None), "prctl"), (4, 0, 0, 0, 0))
-except Exception:
-    import ctypes
-    if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:
-        raise SystemExit("cannot make the judge non-dumpable")
-CHANNEL = int(os.environ.pop("HONING_CHANNEL_FD"))
-DATA = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
 
-def recv(fd):
-    head = b""
-    while len(head) < 4:
-        part = os.read(fd, 4 - len(head))
-        if not part:
-            raise EOFError("the candidate process ended")
-        head += part
-    size, chunks = struct.unpack(">I", head)[0], []
-    while size:
-        part = os.read(fd, min(size, 1 << 20))
-        if not part:
-            raise EOFError("the candidate process ended")
-        chunks.append(part)
-        size -= len(part)
-    return b"".join(chunks)
-
-def send(fd, data):
-    data = struct.pack(">I", len(data)) + data
-    while data:
-        data = data[os.write(fd, data):]
-
-def plain(value, depth=0):
-    if type(value) not in DATA or depth > 50:
-        return False
-    if type(value) is dict:
-        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
-    if type(value) in (tuple, list, set, frozenset):
-        return all(plain(item, depth + 1) for item in value)
-    return True
-
-def candidate(program, requests, replies):
-    keep = sorted((requests, replies))
-    os.closerange(3, keep[0])
-    os.closerange(keep[0] + 1, keep[1])
-    os.closerange(keep[1] + 1, 1 << 16)
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0); os.dup2(null, 1)
-    namespace = {"__name__": "__candidate__", "__builtins__": builtins}
-    try:
-        exec(compile(program, "<program>", "exec"), namespace)
-        names = {}
-        for key, value in list(namespace.items()):
-            if key.startswith("__"):
-                continue
-            if type(value).__name__ == "module":
-                names[key] = ("module", value.__name__)
-            elif callable(value):
-                names[key] = ("call",)
-            elif plain(value):
-                names[key] = ("value", value)
-        send(replies, marshal.dumps(("ready", names)))
-    except BaseException as exc:
-        send(replies, marshal.dumps(("error", f"{type(exc).__name__}: {exc}"[:500])))
-        os._exit(1)
-    while True:
-        name, args, kwargs = marshal.loads(recv(requests))
-        try:
-            reply = ("ok", namespace[name](*args, **kwargs))
-            data = marshal.dumps(reply)
-        except BaseException as exc:
-            data = marshal.dumps(("raise", type(exc).__name__, str(exc)[:500]))
-        send(replies, data)
-
-def proxy(name, requests, replies):
-    def call(*args, **kwargs):
-        send(requests, marshal.dumps((name, args, kwargs)))
-        reply = marshal.loads(recv(replies))
-        if type(reply) is tuple and len(reply) == 2 and reply[0] == "ok" and plain(reply[1]):
-            return reply[1]
-        if type(reply) is tuple and len(reply) == 3 and reply[0] == "raise":
-            kind = getattr(builtins, str(reply[1]), None)
-            if type(kind) is type and issubclass(kind, Exception):
-                raise kind(str(reply[2]))
-            raise RuntimeError(f"{reply[1]}: {reply[2]}")
-        raise TypeError(f"{name} returned something that is not plain builtin data")
-    call.__name__ = name
-    return call
-
-def report(nonce, message):
-    os.write(CHANNEL, f"{nonce} {message}\n".encode())
-
-def run_tests(spec, names, requests, replies):
-    import importlib
-    scope = {"__name__": "__tests__", "__builtins__": builtins}
-    for key, kind in names.items():
-        if kind[0] == "call":
-            scope[key] = proxy(key, requests, replies)
-        elif kind[0] == "value" and plain(kind[1]):
-            scope[key] = kind[1]
-        elif kind[0] == "module":
-            try:
-                scope[key] = importlib.import_module(str(kind[1]))
-            except Exception:
-                pass
-    statements = ast.parse(spec["test_code"]).body
-    checks = [s for s in statements if isinstance(s, ast.FunctionDef) and s.name == "check"]
-    entry = spec.get("entry_point")
-    if checks and entry:
-        tests = ast.parse(f"check({entry})").body
-        statements = [*statements, *tests]
-    else:
-        tests = [s for s in statements if isinstance(s, ast.Assert)]
-    report(spec["nonce"], f"total {len(tests)}")
-    for statement in statements:
-        code = compile(ast.Module(body=[statement], type_ignores=[]), "<tests>", "exec")
-        try:
-            exec(code, scope)
-            ok, why = True, ""
-        except BaseException as exc:
-            ok, why = False, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        if statement in tests:
-            report(spec["nonce"], ("pass " if ok else "fail ") + why)
-        elif not ok:
-            report(spec["nonce"], "setup " + why)
-    report(spec["nonce"], "done")
-
-def main():
-    import json
-    program = json.loads(recv(0))["program"]
-    requests_r, requests_w = os.pipe()
-    replies_r, replies_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(requests_w); os.close(replies_r)
-        candidate(program, requests_r, replies_w)
-        os._exit(0)
-    os.close(requests_r); os.close(replies_w)
-    spec = json.loads(recv(0))
-    try:
-        reply = marshal.loads(recv(replies_r))
-    except EOFError:
-        reply = ("error", "the program exited while loading")
-    if reply[0] != "ready" or type(reply[1]) is not dict:
-        report(spec["nonce"], "load " + " ".join(str(reply[-1]).split())[:300])
-    else:
-        run_tests(spec, reply[1], requests_w, replies_r)
-    os.kill(pid, 9)
-    os._exit(0)
-
-main()
-"""
+def _shared_pool(backend: str) -> ZygotePool:
+    """The zygotes ``verify_code`` uses (one pool per backend, ``os.cpu_count()`` workers)."""
+    with _SHARED_LOCK:
+        if backend not in _SHARED_POOLS:
+            _SHARED_POOLS[backend] = ZygotePool(backend)
+        return _SHARED_POOLS[backend]
 
 
 def extract_program(response: str) -> tuple[str, str | None]:
@@ -276,17 +127,12 @@ def _score(passed: int, total: int, scoring: str) -> float:
     return passed / total if scoring == "pass_rate" else float(passed == total)
 
 
-def _run_stdio(program: str, tests: list, scoring: str, limits: Limits, backend: str) -> dict:
+def _run_stdio(program: str, tests: list, scoring: str, limits: Limits, pool: ZygotePool) -> dict:
     """One sandboxed run per case; with scoring "all", stop at the first failure."""
-    passed, isolation, verdict, reason = 0, backend, "passed", "all tests passed"
+    passed, isolation, verdict, reason = 0, pool.backend, "passed", "all tests passed"
     for index, case in enumerate(tests):
-        run = run_sandboxed(
-            [sandbox_python(backend), "-I", "main.py"],
-            stdin=str(case.get("stdin", "")).encode(),
-            files={"main.py": program},
-            limits=limits,
-            backend=backend,
-        )
+        stdin = _frame({"program": program}) + str(case.get("stdin", "")).encode()
+        run = pool.run("main", stdin, limits)
         isolation = run.isolation
         if run.timed_out:
             verdict, reason = "timeout", f"case {index} ran past {limits.timeout_s:g}s"
@@ -311,7 +157,7 @@ def _frame(payload: dict) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-def _run_asserts(program: str, truth: dict, scoring: str, limits: Limits, backend: str) -> dict:
+def _run_asserts(program: str, truth: dict, scoring: str, limits: Limits, pool: ZygotePool) -> dict:
     """All tests of the program in one sandbox: judge process + candidate process."""
     nonce = secrets.token_hex(16)
     spec = {
@@ -319,13 +165,7 @@ def _run_asserts(program: str, truth: dict, scoring: str, limits: Limits, backen
         "entry_point": truth.get("entry_point"),
         "nonce": nonce,
     }
-    run = run_sandboxed(
-        [sandbox_python(backend), "-I", "-c", _JUDGE],
-        stdin=_frame({"program": program}) + _frame(spec),
-        limits=limits,
-        backend=backend,
-        channel=True,
-    )
+    run = pool.run("judge", _frame({"program": program}) + _frame(spec), limits)
     return _judge_verdict(run, nonce, scoring, limits)
 
 
@@ -387,8 +227,15 @@ def verify_code(
     """
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; expected one of {SCORINGS}")
-    limits = limits or Limits()
-    backend = resolve_backend(backend)
+    return _verify(
+        response, ground_truth, scoring, limits or Limits(), _shared_pool(resolve_backend(backend))
+    )
+
+
+def _verify(
+    response: str, ground_truth: Any, scoring: str, limits: Limits, pool: ZygotePool
+) -> dict:
+    backend = pool.backend
     try:
         truth = _parse_ground_truth(ground_truth)
     except (ValueError, TypeError) as exc:
@@ -403,8 +250,8 @@ def verify_code(
     if not program.strip():
         return _result("no_code", "the response holds no program", 0, 0, 0.0, backend)
     if truth.get("tests"):
-        return _run_stdio(program, list(truth["tests"]), scoring, limits, backend)
-    return _run_asserts(program, truth, scoring, limits, backend)
+        return _run_stdio(program, list(truth["tests"]), scoring, limits, pool)
+    return _run_asserts(program, truth, scoring, limits, pool)
 
 
 def code_reward(response: str, ground_truth: Any, **context: Any) -> dict:
@@ -439,7 +286,9 @@ class CodeVerifier:
         self.scoring = scoring
         self.backend = resolve_backend(backend)
         self.limits = replace(limits or Limits(), timeout_s=timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1)
+        workers = workers or os.cpu_count() or 1
+        self._zygotes = ZygotePool(self.backend, workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers)
 
     def _score_one(self, item: dict) -> dict:
         try:
@@ -447,13 +296,11 @@ class CodeVerifier:
             limits = self.limits
             if "timeout_s" in extra:
                 limits = replace(limits, timeout_s=float(extra["timeout_s"]))
-            return verify_code(
-                item.get("response") or "",
-                item.get("ground_truth"),
-                scoring=extra.get("scoring", self.scoring),
-                limits=limits,
-                backend=self.backend,
-            )
+            scoring = extra.get("scoring", self.scoring)
+            if scoring not in SCORINGS:
+                raise ValueError(f"unknown scoring {scoring!r}; expected one of {SCORINGS}")
+            response = item.get("response") or ""
+            return _verify(response, item.get("ground_truth"), scoring, limits, self._zygotes)
         except Exception as exc:  # noqa: BLE001 - one bad item never fails the batch
             return _result("error", f"{type(exc).__name__}: {exc}", 0, 0, 0.0, self.backend)
 
@@ -462,7 +309,9 @@ class CodeVerifier:
         return list(self._pool.map(self._score_one, items))
 
     def close(self) -> None:
+        """Wait for running items, then kill this verifier's zygotes."""
         self._pool.shutdown(wait=True)
+        self._zygotes.close()
 
     def __enter__(self) -> CodeVerifier:
         return self

@@ -190,8 +190,9 @@ def _fresh_ids() -> tuple[int, int] | None:
     return uid, uid
 
 
-def _wrap(backend: str, argv: list[str], workdir: str) -> list[str]:
-    """The command line that runs ``argv`` inside ``backend``, with cwd ``workdir``."""
+def _wrap(backend: str, argv: list[str], workdir: str, as_init: bool = False) -> list[str]:
+    """The command line that runs ``argv`` inside ``backend``, with cwd ``workdir``; with
+    ``as_init`` (bwrap) ``argv`` is PID 1 of the namespace (unshare: always)."""
     if backend == "bwrap":
         hidden = ["/tmp", "/var/tmp", "/dev/shm"]
         home = os.path.expanduser("~")
@@ -201,7 +202,8 @@ def _wrap(backend: str, argv: list[str], workdir: str) -> list[str]:
         return [
             *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *tmpfs),
             *("--bind", workdir, workdir, "--chdir", workdir, "--unshare-all"),
-            *("--die-with-parent", "--new-session", "--", *argv),
+            *("--die-with-parent", "--new-session", *(["--as-pid-1"] if as_init else [])),
+            *("--", *argv),
         ]
     if backend == "unshare":
         return [
