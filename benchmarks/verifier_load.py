@@ -21,19 +21,17 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from honing.rewards.remote import VerifierClient  # noqa: E402
+from honing.services.process import start_service  # noqa: E402
 
 
 def math_item(rng: random.Random, serial: int) -> dict:
@@ -55,22 +53,7 @@ def math_item(rng: random.Random, serial: int) -> dict:
 
 
 def start_server(workers: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "honing.cli", "serve", "verifier", "--port", str(port)]
-    command += ["--workers", str(workers), "--max-queue", "256"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit("the verifier service did not start")
+    return start_service("verifier", "--workers", str(workers), "--max-queue", "256")
 
 
 async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> int:

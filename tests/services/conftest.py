@@ -1,14 +1,9 @@
-"""Serve an app with uvicorn on a loopback port, in a thread or as a ``honing serve`` process."""
+"""Serve an app with uvicorn on a loopback port in a background thread."""
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 import uvicorn
 
@@ -45,29 +40,3 @@ def serve():
     yield start
     for item in served:
         item.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_process(*args: str) -> tuple[subprocess.Popen, str]:
-    """``honing serve ...`` in a process of its own; returns it when /health answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "honing.cli", "serve", *args, "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited: {process.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise AssertionError("server did not answer /health")

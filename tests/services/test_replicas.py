@@ -5,12 +5,12 @@ import signal
 import threading
 
 from honing.rewards.remote import VerifierClient
-from tests.services.conftest import start_process
+from honing.services.process import start_service
 
 
 def test_killing_a_replica_mid_run_loses_no_score():
-    first, first_url = start_process("verifier", "--workers", "1")
-    second, second_url = start_process("verifier", "--workers", "1")
+    first, first_url = start_service("verifier", "--workers", "1")
+    second, second_url = start_service("verifier", "--workers", "1")
     try:
         client = VerifierClient(
             [first_url, second_url], request_items=4, max_concurrency=4, backoff_s=0.01

@@ -1,0 +1,42 @@
+"""Start ``honing serve ...`` as a process of its own on a free loopback port (tests,
+benchmarks, and scripts that want a local verifier next to a run)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_service(*args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """``honing serve ARGS --port P`` on a free port; returns the process and its base URL
+    once ``/health`` answers.
+
+    Raises:
+        RuntimeError: the process exited (with its stderr) or did not answer in time.
+    """
+    port = free_port()
+    command = [sys.executable, "-m", "honing.cli", "serve", *args, "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"honing serve {' '.join(args)} exited: {process.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"honing serve {' '.join(args)} did not answer /health in {timeout_s} s")
