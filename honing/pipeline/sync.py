@@ -211,7 +211,7 @@ class SyncLoop:
                     **{
                         k: v
                         for k, v in scores[i].details.items()
-                        if k in ("extracted", "verdict", "error", "overlong_penalty")
+                        if k in ("extracted", "verdict", "reason", "error", "overlong_penalty")
                     },
                 }
                 for i in picked
