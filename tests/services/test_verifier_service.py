@@ -94,3 +94,30 @@ def test_scorer_crash_is_a_500_not_a_dead_server(serve):
     answer = _post(url, {"items": [{"response": "a"}]})
     assert answer.status_code == 500 and "RuntimeError: boom" in answer.json()["error"]
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_math_and_code_items_in_one_request(serve):
+    url = serve(verifier_app(workers=1, code_timeout_s=5.0))
+    program = "```python\nprint(int(input()) * 2)\n```"
+    items = [
+        {
+            "data_source": "lighteval/MATH",
+            "response": "so $\\boxed{\\dfrac{1}{2}}$",
+            "ground_truth": "0.5",
+        },
+        {"data_source": "math", "response": "The answer is 3", "ground_truth": "\\frac{6}{3}"},
+        {
+            "data_source": "code",
+            "response": program,
+            "ground_truth": {"tests": [{"stdin": "4\n", "stdout": "8\n"}]},
+        },
+        {
+            "data_source": "apps",
+            "response": program,
+            "ground_truth": {"tests": [{"stdin": "4\n", "stdout": "9\n"}]},
+        },
+    ]
+    results = _post(url, {"items": items}).json()["results"]
+    assert [r["score"] for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["details"]["verdict"] for r in results] == ["correct", "wrong", "passed", "failed"]
+    assert results[2]["details"]["isolation"] in ("bwrap", "unshare", "none")
