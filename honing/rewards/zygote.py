@@ -225,7 +225,7 @@ class Zygote:
                 if fd >= 0:
                     os.close(fd)
         if reply is None or reply.get("dead"):
-            self.close(uid)
+            self.close(uid, graceful=False)
         return self._result(reply, captures, started)
 
     def _result(self, reply, captures, started: float) -> SandboxResult:
@@ -249,13 +249,19 @@ class Zygote:
             channel=b"".join(captures["chan"].parts),
         )
 
-    def close(self, run_uid: int | None = None) -> None:
-        """Kill the sandbox and everything in it (a later ``run`` starts a new one)."""
+    def close(self, run_uid: int | None = None, graceful: bool = True) -> None:
+        """End the sandbox and everything in it (a later ``run`` starts a new one).
+
+        ``graceful``: first let the zygote exit on its own (it does when the host closes the
+        socket), so its own parent reaps it; then kill whatever is left either way."""
         proc, self._proc = self._proc, None
         if self._control is not None:
             self._control.close()
             self._control = None
         if proc is not None:
+            if graceful:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1.0)
             ids = self._ids or ((run_uid, run_uid) if run_uid is not None else None)
             _kill_everything(proc, ids, self._token)
         if self._workroot:
