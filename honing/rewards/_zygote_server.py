@@ -24,6 +24,7 @@ import sys
 import time
 
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+KEYCTL = {"x86_64": 250, "aarch64": 219}  # syscall numbers (no libc wrapper)
 LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -51,6 +52,7 @@ def set_limits(request):
         (resource.RLIMIT_FSIZE, request["max_file_bytes"]),
         (resource.RLIMIT_NOFILE, request["max_open_files"]),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),  # no POSIX message queue (they outlive the run)
     ):
         resource.setrlimit(kind, (value, value))
 
@@ -169,21 +171,49 @@ def sweep(config, uid, pid):
     reap()
 
 
-def clean(config, uid, run_dir):
-    """Delete the run directory and what the run left in the scratch dirs (private tmpfs: all;
-    shared with the host: only entries owned by the run's fresh uid)."""
-    remove(run_dir)
-    for scratch in config["scratch"]:
+def clean(config, uid):
+    """Delete what the run left: everything in the work root (the run directory, anything
+    else a namespaced run wrote there) and in the scratch dirs (private tmpfs: all; shared
+    with the host: only entries owned by the run's fresh uid); SysV IPC objects (namespaced:
+    all; none as root: the run uid's); the keys in our user keyrings (namespaced only: a
+    fresh uid per run has keyrings of its own)."""
+    for directory, everything in [
+        (config["workroot"], True),
+        *((d, False) for d in config["scratch"]),
+    ]:
         try:
-            entries = list(os.scandir(scratch))
+            entries = list(os.scandir(directory))
         except OSError:
             continue
         for entry in entries:
-            try:
-                if uid is None or entry.stat(follow_symlinks=False).st_uid == uid:
+            with contextlib.suppress(OSError):
+                if everything or uid is None or entry.stat(follow_symlinks=False).st_uid == uid:
                     remove(entry.path)
-            except OSError:
-                pass
+    namespaced = config["sweep"] == "init"
+    if namespaced or uid is not None:  # never the host's own objects (none, as non-root)
+        remove_ipc(uid)
+    if namespaced and os.uname().machine in KEYCTL:
+        for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+            LIBC.syscall(KEYCTL[os.uname().machine], 7, keyring)  # KEYCTL_CLEAR
+
+
+def remove_ipc(uid):
+    """IPC_RMID every SysV shared memory segment, message queue and semaphore set this IPC
+    namespace shows (owned by ``uid``, when given)."""
+    for kind, column, remove_id in (
+        ("shm", "shmid", lambda ident: LIBC.shmctl(ident, 0, None)),
+        ("msg", "msqid", lambda ident: LIBC.msgctl(ident, 0, None)),
+        ("sem", "semid", lambda ident: LIBC.semctl(ident, 0, 0)),
+    ):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as handle:
+                header, *rows = [line.split() for line in handle]
+        except OSError:
+            continue
+        for row in rows:
+            fields = dict(zip(header, row, strict=False))
+            if uid is None or fields.get("uid") == str(uid):
+                remove_id(int(fields[column]))
 
 
 def remove(path):
@@ -219,7 +249,7 @@ def serve(request, fds, control):
         os.close(fd)
     returncode = wait_run(pid, deadline, control)
     sweep(CONFIG, request["uid"], pid)
-    clean(CONFIG, request["uid"], run_dir)
+    clean(CONFIG, request["uid"])
     return {"returncode": returncode, "timed_out": returncode is None}
 
 

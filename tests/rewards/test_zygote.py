@@ -32,6 +32,17 @@ PARENT_CHAIN = (
     "    return found\n"
 )
 
+# A SysV message queue and a key in the user keyring outlive the processes that made them.
+KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine, (-1, -1))
+IPC_PLANT = (
+    "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.msgget(0x0DDBA11, 0o1600)\n"
+    f"libc.syscall({KEYCTL[0]}, b'user', b'honing-left', b'x', 1, -4)\n"
+)
+IPC_LOOK = (
+    "__import__('ctypes').CDLL(None).msgget(0x0DDBA11, 0), "
+    f"__import__('ctypes').CDLL(None).syscall({KEYCTL[1]}, 10, -4, b'user', b'honing-left', 0)"
+)
+
 
 def _main(pool: ZygotePool, program: str, limits: Limits = SHORT):
     """Run ``program`` as a stdio program (no stdin) on the pool."""
@@ -77,16 +88,18 @@ def test_next_program_finds_no_file_and_no_process_of_the_previous(backend):
     marker, name = f"honing-zygote-test-{uuid.uuid4().hex}", f"left-{uuid.uuid4().hex}"
     plant = (
         "import os, sys\n"
-        f"for path in ('/tmp/{name}', '/dev/shm/{name}', '{name}'):\n"
-        "    open(path, 'w').write('x')\n"
-        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"for path in ('/tmp/{name}', '/dev/shm/{name}', '{name}', '../{name}'):\n"
+        "    try:\n        open(path, 'w').write('x')\n    except OSError:\n        pass\n"
+        + IPC_PLANT
+        + "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
         f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)',"
         f" {marker!r}])\n    os._exit(0)\n"
         "import time\ntime.sleep(0.2)\nprint('planted', os.getcwd())"
     )
     look = (
         "import os\n"
-        f"print(os.listdir('.'), [os.path.exists(p) for p in ('/tmp/{name}', '/dev/shm/{name}')])\n"
+        f"paths = ('/tmp/{name}', '/dev/shm/{name}', '../{name}')\n"
+        "print(os.listdir('.'), [os.path.exists(p) for p in paths], " + IPC_LOOK + ")\n"
         f"print(sum(b'{marker}' in open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
         "          for p in os.listdir('/proc') if p.isdigit()))"
     )
@@ -98,7 +111,7 @@ def test_next_program_finds_no_file_and_no_process_of_the_previous(backend):
         second = _main(pool, look)
     finally:
         pool.close()
-    assert second.stdout.split("\n")[:2] == ["[] [False, False]", "0"], second
+    assert second.stdout.split("\n")[:2] == ["[] [False, False, False] -1 -1", "0"], second
     assert not os.path.exists(f"/tmp/{name}") and not os.path.exists(first.stdout.split()[1])
 
 
