@@ -5,6 +5,9 @@
     RUN_DIR/events.jsonl    {"time", "kind", ...}: alerts, restarts, skipped steps
     RUN_DIR/tensorboard/    TensorBoard event files (optional)
 
+The other destinations (console, TensorBoard, Prometheus, W&B, MLflow) are sinks built by
+name from the config (``RunLogger.from_config``, see ``honing.monitor.registry``).
+
 Reopening an existing run directory appends; ``truncate_after`` removes the steps a resumed
 run is about to redo, so no step appears twice.
 """
@@ -13,18 +16,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TextIO
 
 from honing.monitor.console import ConsoleSink
+from honing.monitor.registry import TENSORBOARD_DIR, SinkContext, build_sinks
 from honing.monitor.sinks import JsonlSink, MetricSink, TensorBoardSink
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 EVENTS_FILE = "events.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+SUMMARY_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
 def aggregate(values: dict[str, list[float]]) -> dict[str, float]:
@@ -40,6 +44,35 @@ def aggregate(values: dict[str, list[float]]) -> dict[str, float]:
     return {name: math.fsum(items) / len(items) for name, items in values.items() if items}
 
 
+def quantile(ordered: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile of sorted values, interpolating linearly between ranks."""
+    position = fraction * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def distribution_metrics(name: str, values: Sequence[float]) -> dict[str, float]:
+    """A step's distribution as metrics: ``name/min``, ``name/p10`` ... ``name/p90``, ``name/max``.
+
+    The percentiles of the step's values go to ``metrics.jsonl`` with the other metrics, so
+    the HTML report can draw the distribution over time (bands) without TensorBoard.
+    Non-finite values are left out; no finite value gives an empty dict.
+
+    Args:
+        name: Metric family, e.g. ``"response_length"`` or ``"critic/score"``.
+        values: The step's values.
+    """
+    ordered = sorted(float(v) for v in values if math.isfinite(float(v)))
+    if not ordered:
+        return {}
+    summary = {f"{name}/min": ordered[0]}
+    for fraction in SUMMARY_QUANTILES:
+        summary[f"{name}/p{round(fraction * 100)}"] = quantile(ordered, fraction)
+    summary[f"{name}/max"] = ordered[-1]
+    return summary
+
+
 class RunLogger:
     """Owns the log files of one run directory and fans metrics out to the sinks.
 
@@ -50,6 +83,7 @@ class RunLogger:
         console: Also print one summary line per step.
         stream: Console stream; ``None`` means ``sys.stderr``.
         sinks: Further metric sinks (e.g. a Prometheus exporter); closed with the logger.
+            ``RunLogger.from_config`` builds them all from the config instead.
     """
 
     def __init__(
@@ -67,17 +101,70 @@ class RunLogger:
         self._metrics = JsonlSink(self.run_dir / METRICS_FILE)
         self._samples = JsonlSink(self.run_dir / SAMPLES_FILE)
         self._events = JsonlSink(self.run_dir / EVENTS_FILE)
-        self._tensorboard = TensorBoardSink(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
-        self._console = ConsoleSink(total_steps, stream=stream) if console else None
-        optional: list[MetricSink] = [
-            sink for sink in (self._tensorboard, self._console) if sink is not None
-        ]
+        optional: list[MetricSink] = []
+        if tensorboard:
+            optional.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
+        if console:
+            optional.append(ConsoleSink(total_steps, stream=stream))
         self.sinks: list[MetricSink] = [self._metrics, *optional, *sinks]
+
+    @classmethod
+    def from_config(
+        cls,
+        run_dir: str | Path,
+        monitor: Any,
+        *,
+        total_steps: int,
+        stream: TextIO | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> RunLogger:
+        """A logger with every sink the ``monitor`` config section switches on.
+
+        Args:
+            run_dir: The run directory; created if missing.
+            monitor: The config's ``monitor`` section (keys read by attribute, with defaults).
+            total_steps: Last step of the run.
+            stream: Console stream; ``None`` means ``sys.stderr``.
+            params: The resolved config as nested dicts (run parameters for W&B / MLflow).
+
+        Raises:
+            ConfigError: A configured sink's package is missing, or its settings cannot be
+                honoured (e.g. the Prometheus port is taken). Nothing is left running.
+        """
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        context = SinkContext(run_dir, total_steps, monitor, stream, dict(params or {}))
+        sinks = build_sinks(context)
+        try:
+            return cls(
+                run_dir, total_steps=total_steps, tensorboard=False, console=False, sinks=sinks
+            )
+        except BaseException:
+            for sink in sinks:
+                sink.close()
+            raise
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Writes one step's metrics to every sink."""
         for sink in self.sinks:
             sink.write(step, metrics)
+
+    def log_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
+        """Records value distributions of one step, e.g. rewards and response lengths.
+
+        Passes the values to every sink with a ``write_histograms`` method (TensorBoard,
+        W&B); other sinks ignore histograms. For percentiles in ``metrics.jsonl``, add
+        ``distribution_metrics`` to the step's metrics.
+
+        Args:
+            step: The training step.
+            histograms: Name -> the step's values (a list, array or CPU tensor), e.g.
+                ``{"critic/score": rewards, "response_length": lengths}``.
+        """
+        for sink in self.sinks:
+            write_histograms = getattr(sink, "write_histograms", None)
+            if write_histograms is not None:
+                write_histograms(step, histograms)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Appends each sample to ``samples.jsonl`` as ``{"step": step, **sample}``."""
@@ -91,16 +178,19 @@ class RunLogger:
             **fields: Details; any JSON-able values (non-finite floats become null).
         """
         self._events.append([{"time": time.time(), "kind": kind, **fields}])
-        if self._console is not None:
-            details = " ".join(f"{key}={value}" for key, value in fields.items())
-            self._console.note(f"[{kind}] {details}".rstrip())
+        details = " ".join(f"{key}={value}" for key, value in fields.items())
+        for sink in self.sinks:
+            note = getattr(sink, "note", None)
+            if note is not None:
+                note(f"[{kind}] {details}".rstrip())
 
     def truncate_after(self, step: int) -> dict[str, int]:
         """Forgets logged steps after ``step``, before a resumed run redoes them.
 
         Drops the lines of ``metrics.jsonl`` and ``samples.jsonl`` with a greater step
         (rewritten through a temporary file and ``os.replace``); ``events.jsonl`` is history
-        and kept whole. TensorBoard gets a restart marker, so it hides its later points.
+        and kept whole. Sinks with a ``mark_restart`` method (TensorBoard) get a restart
+        marker, so they hide their later points.
 
         Args:
             step: The step of the checkpoint the run resumes from.
@@ -112,16 +202,26 @@ class RunLogger:
             METRICS_FILE: self._metrics.truncate_after(step),
             SAMPLES_FILE: self._samples.truncate_after(step),
         }
-        if self._tensorboard is not None:
-            self._tensorboard.mark_restart(step)
+        for sink in self.sinks:
+            mark_restart = getattr(sink, "mark_restart", None)
+            if mark_restart is not None:
+                mark_restart(step)
         return dropped
 
     def close(self) -> None:
-        """Closes every sink and log file."""
-        for sink in self.sinks:
-            sink.close()
-        self._samples.close()
-        self._events.close()
+        """Closes every sink and log file; one failing sink does not keep the others open.
+
+        Raises:
+            The first error a sink raised while closing, after all were closed.
+        """
+        first_error: BaseException | None = None
+        for closable in [*self.sinks, self._samples, self._events]:
+            try:
+                closable.close()
+            except Exception as error:  # e.g. a remote tracker that cannot flush
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def __enter__(self) -> Self:
         return self

@@ -2,9 +2,12 @@
 
 A sink receives ``(step, {name: value})`` once per training step. Sinks are composed by
 ``RunLogger``; each one owns one destination and flushes on every write, so a crash of the
-training process loses nothing already logged. Machine crashes (power loss) can still lose
-the last writes: files are flushed to the OS, not fsync-ed, except when rewritten by
-``truncate_jsonl``.
+training process loses nothing already logged. Besides ``write`` and ``close`` a sink may
+implement any of the optional methods ``RunLogger`` looks for: ``write_histograms`` (value
+distributions, see ``HistogramSink``), ``note`` (event lines) and ``mark_restart`` (a resumed
+run redoes later steps); a sink without one is simply skipped for that call. Machine
+crashes (power loss) can still lose the last writes: files are flushed to the OS, not
+fsync-ed, except when rewritten by ``truncate_jsonl``.
 
 TensorBoard is imported inside ``TensorBoardSink`` only, so ``import honing.monitor`` stays
 light.
@@ -17,9 +20,9 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class MetricSink(Protocol):
@@ -31,6 +34,15 @@ class MetricSink(Protocol):
 
     def close(self) -> None:
         """Flushes and releases the destination; no write may follow."""
+        ...
+
+
+@runtime_checkable
+class HistogramSink(Protocol):
+    """A sink that also records value distributions (rewards, response lengths)."""
+
+    def write_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
+        """Records, for each name, the distribution of the values seen at ``step``."""
         ...
 
 
@@ -186,7 +198,8 @@ class TensorBoardSink:
 
     One event per step carries one scalar value per metric name. NaN and infinities are
     written as they are (TensorBoard plots them as such). Values that are not numbers are
-    skipped.
+    skipped. Histograms (``write_histograms``) are written in TensorBoard's classic
+    ``HistogramProto`` form, which its Histograms and Distributions tabs show.
 
     Args:
         log_dir: Directory for the ``events.out.tfevents.*`` files; created if missing. A
@@ -216,6 +229,25 @@ class TensorBoardSink:
         self._writer.add_event(event)
         self._writer.flush()
 
+    def write_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
+        """Adds one event holding a histogram per name at ``step``; flushes.
+
+        Non-finite values are left out of the buckets (a histogram cannot place them); a
+        name whose values are all non-finite, or empty, is skipped.
+        """
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = []
+        for name, data in histograms.items():
+            proto = histogram_proto(data)
+            if proto is not None:
+                values.append(Summary.Value(tag=name, histo=proto))
+        if values:
+            event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+            self._writer.add_event(event)
+            self._writer.flush()
+
     def mark_restart(self, step: int) -> None:
         """Records a restart after ``step``: TensorBoard hides older data at later steps.
 
@@ -234,3 +266,36 @@ class TensorBoardSink:
     def close(self) -> None:
         """Flushes and closes the event file."""
         self._writer.close()
+
+
+def histogram_proto(data: Sequence[float], max_buckets: int = 30) -> Any:
+    """Buckets ``data`` into a TensorBoard ``HistogramProto`` (``None`` if nothing finite).
+
+    Integer data with few distinct values (response lengths) gets one bucket per integer;
+    other data gets up to ``max_buckets`` equal-width buckets. ``bucket_limit[i]`` is the
+    right edge of bucket ``i``, TensorBoard's convention.
+    """
+    import numpy as np
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto
+
+    array = np.asarray(data, dtype=np.float64).ravel()
+    array = array[np.isfinite(array)]
+    if array.size == 0:
+        return None
+    low, high = float(array.min()), float(array.max())
+    if low == high:
+        edges = np.array([low - 0.5, high + 0.5])
+    elif np.all(array == np.round(array)) and high - low < max_buckets:
+        edges = np.arange(low - 0.5, high + 1.0, 1.0)  # one bucket per integer
+    else:
+        edges = np.linspace(low, high, max_buckets + 1)
+    counts, edges = np.histogram(array, bins=edges)
+    return HistogramProto(
+        min=low,
+        max=high,
+        num=float(array.size),
+        sum=float(array.sum()),
+        sum_squares=float(np.dot(array, array)),
+        bucket_limit=edges[1:].tolist(),
+        bucket=counts.astype(np.float64).tolist(),
+    )

@@ -1,0 +1,173 @@
+"""Weights & Biases and MLflow sinks: thin adapters, used when installed and configured.
+
+Neither package is a dependency of honing. Configuring one that is not installed is a
+``ConfigError`` naming the pip package. Each sink logs the metrics of every step (and, for
+W&B, the histograms), with the run's resolved config as parameters.
+
+A resumed run continues the same remote run: the W&B run id is derived from the run
+directory's absolute path, and the MLflow run id is kept in ``RUN_DIR/mlflow_run_id``.
+Steps redone after a resume are sent again; W&B ignores steps below its last one, MLflow
+keeps both values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from honing.errors import ConfigError
+
+MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+_MLFLOW_INVALID = re.compile(r"[^a-zA-Z0-9_\-. :/]")
+
+
+def require_module(module: str, pip_name: str, key: str) -> ModuleType:
+    """Imports an optional package, or raises a one-line ``ConfigError`` naming it.
+
+    Args:
+        module: Import name, e.g. ``"wandb"``.
+        pip_name: What to ``pip install``.
+        key: The config key that asked for it, named in the error.
+
+    Raises:
+        ConfigError: If the package itself is missing. An ``ImportError`` raised from inside
+            an installed package propagates unchanged: it is a broken install, not a typo.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != module:
+            raise
+        message = f"{key} is set but {module} is not installed: pip install {pip_name}"
+        raise ConfigError(message) from None
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"trainer": {"lr": 0.1}}`` → ``{"trainer.lr": "0.1"}``: run parameters as strings."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat |= flatten_params(value, prefix=f"{name}.")
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics that are numbers, as floats (non-finite ones kept)."""
+    out = {}
+    for name, value in metrics.items():
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def wandb_run_id(run_dir: str | Path) -> str:
+    """A stable W&B run id for a run directory, so a resumed run continues the same run."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()
+    return f"honing-{digest[:16]}"
+
+
+class WandbSink:
+    """Logs each step's metrics (and histograms) to a Weights & Biases run.
+
+    Args:
+        project: W&B project.
+        run_dir: The run directory (W&B keeps its local files in it; fixes the run id).
+        entity: W&B entity (team or user); empty means the account's default.
+        params: The resolved config, shown as the run's config.
+
+    Raises:
+        ConfigError: If ``wandb`` is not installed.
+    """
+
+    def __init__(
+        self,
+        project: str,
+        *,
+        run_dir: str | Path,
+        entity: str = "",
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._wandb = require_module("wandb", "wandb", "monitor.wandb_project")
+        run_dir = Path(run_dir)
+        self._run = self._wandb.init(
+            project=project,
+            entity=entity or None,
+            name=run_dir.name,
+            id=wandb_run_id(run_dir),
+            resume="allow",
+            dir=str(run_dir),
+            config=dict(params or {}),
+        )
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Logs the numeric metrics at ``step``."""
+        self._run.log(numeric(metrics), step=step)
+
+    def write_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
+        """Logs each finite sequence as a ``wandb.Histogram`` at ``step``."""
+        data = {}
+        for name, values in histograms.items():
+            finite = [float(v) for v in values if math.isfinite(float(v))]
+            if finite:
+                data[name] = self._wandb.Histogram(finite)
+        if data:
+            self._run.log(data, step=step)
+
+    def close(self) -> None:
+        """Finishes the W&B run (uploads what is pending)."""
+        self._run.finish()
+
+
+class MlflowSink:
+    """Logs each step's metrics to an MLflow run.
+
+    Metric names keep their slashes; characters MLflow rejects (``@`` in ``val/pass@8``)
+    become ``_``.
+
+    Args:
+        tracking_uri: MLflow tracking URI (``http://…``, ``file:…``, ``databricks``).
+        experiment: Experiment name; created if missing.
+        run_dir: The run directory (run name, and the file keeping the MLflow run id).
+        params: The resolved config, logged as parameters on a new run.
+
+    Raises:
+        ConfigError: If ``mlflow`` is not installed.
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        *,
+        experiment: str,
+        run_dir: str | Path,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._mlflow = require_module("mlflow", "mlflow", "monitor.mlflow_tracking_uri")
+        self._mlflow.set_tracking_uri(tracking_uri)
+        self._mlflow.set_experiment(experiment)
+        id_file = Path(run_dir) / MLFLOW_RUN_ID_FILE
+        previous = id_file.read_text().strip() if id_file.exists() else None
+        run = self._mlflow.start_run(run_id=previous, run_name=Path(run_dir).name)
+        if previous is None:
+            id_file.write_text(run.info.run_id + "\n")
+            self._mlflow.log_params(flatten_params(params or {}))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Logs the numeric metrics at ``step``."""
+        named = {_MLFLOW_INVALID.sub("_", k): v for k, v in numeric(metrics).items()}
+        self._mlflow.log_metrics(named, step=step)
+
+    def close(self) -> None:
+        """Ends the MLflow run."""
+        self._mlflow.end_run()
