@@ -1,13 +1,20 @@
-"""Atomic, retained checkpoints on the local filesystem: ``ROOT/step_<N>/``.
+"""Atomic, verified, retained checkpoints on the local filesystem: ``ROOT/step_<N>/``.
 
-A checkpoint is written into ``ROOT/.tmp-step_<N>-<random>/``, every file is fsync-ed, a
-``COMPLETE`` marker is written last, and only then is the directory renamed to
-``step_<N>``. A directory named ``step_<N>`` that holds ``COMPLETE`` is therefore whole; a
-crash at any moment leaves at worst a ``.tmp-*`` directory, which is never loaded.
+A checkpoint is written into ``ROOT/.tmp-step_<N>-<random>/``, a ``manifest.json`` of every
+file's size and sha256 is added, every file is fsync-ed, a ``COMPLETE`` marker is written
+last, and only then is the directory renamed to ``step_<N>``. A crash at any moment leaves at
+worst a ``.tmp-*`` directory, which is never loaded; a checkpoint damaged afterwards fails its
+manifest and is skipped by ``--resume auto`` (with a ``checkpoint_corrupt`` event), which falls
+back to the next newest good one, then to the mirror (``honing.checkpoint.mirror``).
+
+A save that fails for lack of room (``OSError``, or torch's ``RuntimeError`` about a failed
+write) removes its partial directory, leaves the earlier checkpoints as they were, reports a
+``checkpoint_failed`` event and raises ``CheckpointSaveError``; what the run does then is the
+caller's policy (``honing.pipeline.state``).
 
 What goes inside a checkpoint is the caller's business (a ``write(dir)`` callback), so this
 module imports no torch. One process writes to a root at a time; concurrent writers are not
-coordinated.
+coordinated. Events go to ``on_event(kind, **fields)`` (``RunLogger.log_event`` fits).
 """
 
 from __future__ import annotations
@@ -20,15 +27,38 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from honing.checkpoint.manifest import verify, write_manifest
+from honing.checkpoint.mirror import Mirror
 from honing.errors import UserError
 
 MARKER = "COMPLETE"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step_(\d+)")
+EventSink = Callable[..., None]
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (usually a full disk); earlier ones are intact."""
+
+
+def _is_write_failure(err: Exception) -> bool:
+    """OSError, or the RuntimeError torch.save raises when its writer hits a full disk."""
+    text = str(err).lower()
+    return isinstance(err, OSError) or (
+        isinstance(err, RuntimeError) and ("writ" in text or "space" in text)
+    )
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -81,20 +111,43 @@ class CheckpointManager:
             first save.
         keep: How many complete checkpoints to retain (>= 1); older ones are deleted after
             each save.
+        mirror_url: Where every ``mirror_every``-th checkpoint is also copied (an fsspec URL
+            or local path); ``""`` for none. The mirror keeps every copy.
+        mirror_every: Mirror the checkpoints whose step is a multiple of this (>= 1).
+        on_event: Called as ``on_event(kind, **fields)`` for ``checkpoint_corrupt``,
+            ``checkpoint_verified``, ``checkpoint_failed``, ``checkpoint_mirrored``,
+            ``mirror_failed`` and ``checkpoint_from_mirror``; ``None`` drops them.
     """
 
-    def __init__(self, root: str | Path, keep: int) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        keep: int,
+        *,
+        mirror_url: str = "",
+        mirror_every: int = 1,
+        on_event: EventSink | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if mirror_every < 1:
+            raise ValueError(f"mirror_every must be >= 1, got {mirror_every}")
         self.root = Path(root)
         self.keep = keep
+        self.mirror = Mirror(mirror_url) if mirror_url else None
+        self.mirror_every = mirror_every
+        self.on_event = on_event
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, **fields)
 
     def path_for(self, step: int) -> Path:
         """The directory a complete checkpoint of ``step`` has: ``root/step_<step>``."""
         return self.root / f"{STEP_PREFIX}{step}"
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Writes a checkpoint of ``step`` atomically and applies retention.
+        """Writes a checkpoint of ``step`` atomically, applies retention, mirrors on schedule.
 
         Args:
             step: Training step (>= 0) the checkpoint holds.
@@ -105,15 +158,44 @@ class CheckpointManager:
             same step is replaced.
 
         Raises:
-            Exception: Whatever ``write`` raised; the temporary directory is removed first,
-                and any earlier checkpoint of the step is left as it was.
+            CheckpointSaveError: The write failed for lack of room or another OS error; the
+                partial directory is gone and a ``checkpoint_failed`` event was reported.
+            Exception: Whatever else ``write`` raised; the temporary directory is removed
+                first, and any earlier checkpoint of the step is left as it was.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        try:
+            final = self._write(step, write, manifest_from_writer=False)
+        except Exception as err:
+            if not _is_write_failure(err):
+                raise
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            free = _free_bytes(self.root)
+            self._event(
+                "checkpoint_failed", step=step, root=str(self.root), reason=reason, free_bytes=free
+            )
+            raise CheckpointSaveError(
+                f"could not save the checkpoint of step {step} under {self.root} ({reason}; "
+                f"{'unknown' if free is None else free // (1 << 20)} MiB free there)"
+            ) from err
+        self._prune(protect=step)
+        if self.mirror is not None and step % self.mirror_every == 0:
+            self._push_mirror(final, step)
+        return final
+
+    def _write(self, step: int, write: Callable[[Path], None], manifest_from_writer: bool) -> Path:
+        """Temporary directory -> files -> manifest -> fsync -> marker -> rename."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{STEP_PREFIX}{step}-", dir=self.root))
         try:
             write(tmp)
+            if manifest_from_writer:
+                problem = verify(tmp)
+                if problem is not None:
+                    raise ValueError(problem)
+            else:
+                write_manifest(tmp)
             _fsync_tree(tmp)
             marker = tmp / MARKER
             with marker.open("w", encoding="utf-8") as handle:
@@ -121,12 +203,22 @@ class CheckpointManager:
                 handle.flush()
                 os.fsync(handle.fileno())
             _fsync_dir(tmp)
-            final = self._publish(tmp, step)
+            return self._publish(tmp, step)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune(protect=step)
-        return final
+
+    def _push_mirror(self, local: Path, step: int) -> None:
+        """Copies a fresh checkpoint to the mirror; a failure is reported, never raised."""
+        started = time.perf_counter()
+        try:
+            target = self.mirror.push(local, step)
+        except Exception as err:  # the local checkpoint stands; the next push retries
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason)
+            return
+        seconds = round(time.perf_counter() - started, 3)
+        self._event("checkpoint_mirrored", step=step, path=target, seconds=seconds)
 
     def _publish(self, tmp: Path, step: int) -> Path:
         """Renames a finished temporary directory to ``step_<step>``, replacing an old one."""
@@ -205,20 +297,25 @@ class CheckpointManager:
     def resolve(self, spec: str) -> Path | None:
         """Chooses the checkpoint to resume from, for ``--resume auto|never|PATH``.
 
+        Every checkpoint chosen is verified against its manifest first; ``auto`` reports
+        each one it skips (``checkpoint_corrupt``, with the reason) and the one it takes
+        (``checkpoint_verified``).
+
         Args:
-            spec: ``"never"`` (start fresh), ``"auto"`` (the latest complete checkpoint, if
-                any), or the path of a checkpoint directory.
+            spec: ``"never"`` (start fresh), ``"auto"`` (the newest good checkpoint: local
+                first, then the mirror's newest good copy, fetched into the local tier), or
+                the path of a checkpoint directory.
 
         Returns:
             The checkpoint directory, or ``None`` to start from scratch.
 
         Raises:
-            UserError: If ``spec`` is a path that is not a complete checkpoint.
+            UserError: If ``spec`` is a path that is not a complete, intact checkpoint.
         """
         if spec == "never":
             return None
         if spec == "auto":
-            return self.latest()
+            return self.latest_good() or self._from_mirror()
         path = Path(spec)
         if not (path / MARKER).is_file():
             reason = "does not exist" if not path.exists() else f"has no {MARKER} marker"
@@ -226,4 +323,47 @@ class CheckpointManager:
                 f"--resume {spec}: not a complete checkpoint ({reason}); "
                 "expected a checkpoint directory such as checkpoints/step_<N>, or auto|never"
             )
+        if not self._check(path):
+            raise UserError(
+                f"--resume {spec}: the checkpoint is damaged ({verify(path)}); "
+                "choose another one (honing checkpoints RUN_DIR lists them)"
+            )
         return path
+
+    def _check(self, path: Path, tier: str = "local") -> bool:
+        """Verifies one checkpoint and reports the verdict as an event."""
+        started = time.perf_counter()
+        problem = verify(path)
+        seconds = round(time.perf_counter() - started, 4)
+        if problem is None:
+            self._event("checkpoint_verified", path=str(path), tier=tier, seconds=seconds)
+            return True
+        self._event("checkpoint_corrupt", path=str(path), tier=tier, reason=problem)
+        return False
+
+    def latest_good(self) -> Path | None:
+        """The newest local checkpoint that passes its manifest, skipping (and reporting)
+        damaged ones; ``None`` if there is none."""
+        for step in reversed(self.complete_steps()):
+            if self._check(self.path_for(step)):
+                return self.path_for(step)
+        return None
+
+    def _from_mirror(self) -> Path | None:
+        """Fetches the mirror's newest good copy into the local tier, or ``None``."""
+        if self.mirror is None:
+            return None
+        for step in reversed(self.mirror.complete_steps()):
+            source = self.mirror.path_for(step)
+            try:
+                path = self._write(
+                    step, partial(self.mirror.fetch, step), manifest_from_writer=True
+                )
+            except (OSError, ValueError) as err:
+                reason = f"{type(err).__name__}: {err}".splitlines()[0]
+                self._event("checkpoint_corrupt", path=source, tier="mirror", reason=reason)
+                continue
+            self._event("checkpoint_verified", path=str(path), tier="mirror")
+            self._event("checkpoint_from_mirror", step=step, source=source, path=str(path))
+            return path
+        return None

@@ -74,10 +74,48 @@ def _set_aside_newer(checkpoints: CheckpointManager, start: int, log) -> list[st
     return [str(shelf / f"step_{s}") for s in newer]
 
 
+class EventBuffer:
+    """Holds the checkpoint manager's events until the run's logger exists, then forwards.
+
+    Choosing the checkpoint to resume from happens before anything is written to the run
+    directory, but what it found (a damaged checkpoint skipped) belongs in ``events.jsonl``.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, dict]] = []
+        self.sink: Callable[..., None] | None = None
+
+    def __call__(self, kind: str, **fields) -> None:
+        if self.sink is None:
+            self.pending.append((kind, fields))
+        else:
+            self.sink(kind, **fields)
+
+    def attach(self, sink: Callable[..., None]) -> None:
+        """Sends the held events to ``sink``, and every later one straight there."""
+        self.sink = sink
+        for kind, fields in self.pending:
+            sink(kind, **fields)
+        self.pending.clear()
+
+
+def checkpoint_manager(config: Config, run_dir: Path, on_event=None) -> CheckpointManager:
+    """The run's checkpoint manager: ``RUN_DIR/checkpoints``, plus the mirror if configured."""
+    settings = config.checkpoint
+    return CheckpointManager(
+        run_dir / "checkpoints",
+        keep=settings.keep,
+        mirror_url=getattr(settings, "mirror_url", ""),
+        mirror_every=getattr(settings, "mirror_every", 1),
+        on_event=on_event,
+    )
+
+
 def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
     """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    checkpoints = CheckpointManager(run_dir / "checkpoints", keep=config.checkpoint.keep)
+    events = EventBuffer()
+    checkpoints = checkpoint_manager(config, run_dir, on_event=events)
     checkpoint = checkpoints.resolve(resume)
     if resume == "never" and _holds_run(run_dir, checkpoints):
         raise UserError(
@@ -89,7 +127,7 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
     torch.manual_seed(config.trainer.seed)
     parts = build_components(config, log=log)
     try:
-        return _train(config, run_dir, parts, checkpoints, checkpoint, log)
+        return _train(config, run_dir, parts, checkpoints, checkpoint, log, events)
     finally:
         parts.scorer.close()
 
@@ -101,6 +139,7 @@ def _train(
     checkpoints: CheckpointManager,
     checkpoint: Path | None,
     log: Callable[[str], None],
+    events: EventBuffer,
 ) -> dict:
     start, changed = 0, []
     if checkpoint is not None:
@@ -121,6 +160,7 @@ def _train(
         tensorboard=config.monitor.tensorboard,
         console=config.monitor.console,
     ) as logger:
+        events.attach(logger.log_event)
         if _holds_run(run_dir, checkpoints) or abandoned:
             # Steps after the resume point are redone; a fresh start redoes step 0 too.
             dropped = logger.truncate_after(start if start else -1)

@@ -7,6 +7,14 @@
         config.yaml         the run's resolved config when this checkpoint was written
         COMPLETE            written last by CheckpointManager: only then is it loadable
 
+Saving: a checkpoint that cannot be written (full disk) is reported by the manager as a
+``checkpoint_failed`` event and leaves the previous checkpoints intact. The run then keeps
+training and tries again at the next scheduled save (room may come back, and stopping would
+lose the steps since the last checkpoint just the same), except when the save is required:
+the final one, or one a caller needs before stopping. Then the run stops with one line
+naming the directory and the free space (``UserError``, exit status 2, which the supervisor
+does not restart: a full disk needs a person).
+
 The step's sampling seed is derived from (seed, step), so restoring the cursor, weights,
 optimizer and scheduler is enough for a resumed run to continue exactly as an uninterrupted
 one. Without the optimizer (``checkpoint.save_optimizer=false``) the resume is not exact: Adam's
@@ -20,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from honing.checkpoint import CheckpointManager
+from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
 from honing.models.loading import save_model
@@ -32,8 +40,27 @@ CONFIG_FILE = "config.yaml"
 
 
 def save_training_state(
-    manager: CheckpointManager, parts: Components, config: Config, step: int
-) -> Path:
+    manager: CheckpointManager,
+    parts: Components,
+    config: Config,
+    step: int,
+    required: bool | None = None,
+) -> Path | None:
+    """Saves the whole training state as the checkpoint of ``step``.
+
+    Args:
+        required: Whether a failed save must stop the run; default: only the final step's.
+
+    Returns:
+        The checkpoint directory, or ``None`` when a save that was not required failed
+        (reported as a ``checkpoint_failed`` event; the next save tries again).
+
+    Raises:
+        UserError: A required save failed; the message names the directory and free space.
+    """
+    if required is None:
+        required = step >= config.trainer.total_steps
+
     def write(directory: Path) -> None:
         save_model(parts.policy, parts.tokenizer, directory)
         state = {"scheduler": parts.scheduler.state_dict(), "rng": torch.get_rng_state()}
@@ -54,7 +81,12 @@ def save_training_state(
         (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
         (directory / CONFIG_FILE).write_text(dump_yaml(config))
 
-    return manager.save(step, write)
+    try:
+        return manager.save(step, write)
+    except CheckpointSaveError as err:
+        if required:
+            raise UserError(f"{err}; free some space, then resume with --resume auto") from None
+        return None
 
 
 def _load_weights(parts: Components, checkpoint: Path) -> None:
@@ -85,7 +117,14 @@ def _load_weights(parts: Components, checkpoint: Path) -> None:
 
 
 def load_training_state(parts: Components, checkpoint: Path) -> int:
-    """Restore weights, optimizer, scheduler, RNG and data cursor; return the step."""
+    """Restore weights, optimizer, scheduler, RNG and data cursor; return the step.
+
+    The checkpoint is verified against its manifest first, so a damaged one is refused
+    (``UserError``) before any of it is loaded.
+    """
+    problem = verify(checkpoint)
+    if problem is not None:
+        raise UserError(f"checkpoint {checkpoint} is damaged ({problem}); resume from another")
     try:
         info = json.loads((checkpoint / STATE_JSON).read_text())
         state = torch.load(checkpoint / TRAINER_STATE, weights_only=True)

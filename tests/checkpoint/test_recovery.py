@@ -1,0 +1,205 @@
+"""Tests for damaged checkpoints, a full disk while saving, and the mirror tier."""
+
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from honing.checkpoint import MANIFEST, CheckpointManager, CheckpointSaveError, verify
+from honing.errors import UserError
+
+
+def writer(payload: bytes):
+    def write(directory):
+        (directory / "weights.bin").write_bytes(payload)
+        (directory / "nested").mkdir()
+        (directory / "nested" / "state.json").write_text('{"ok": true}')
+
+    return write
+
+
+class Events(list):
+    """Collects ``on_event`` calls as ``(kind, fields)``."""
+
+    def __call__(self, kind, **fields):
+        self.append((kind, fields))
+
+    def kinds(self):
+        return [kind for kind, _ in self]
+
+
+def test_every_save_has_a_manifest_that_verifies(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=2)
+    path = manager.save(1, writer(b"one"))
+    assert (path / MANIFEST).is_file()
+    assert verify(path) is None
+
+
+def test_auto_skips_a_damaged_checkpoint_and_reports_it(tmp_path):
+    events = Events()
+    manager = CheckpointManager(tmp_path, keep=3, on_event=events)
+    for step in (1, 2, 3):
+        manager.save(step, writer(b"x" * step))
+    (tmp_path / "step_3" / "weights.bin").write_bytes(b"y" * 3)  # same size, other bytes
+    (tmp_path / "step_2" / "weights.bin").write_bytes(b"")  # cut short
+
+    assert manager.resolve("auto") == tmp_path / "step_1"
+    assert events.kinds() == ["checkpoint_corrupt", "checkpoint_corrupt", "checkpoint_verified"]
+    assert events[0][1] == {
+        "path": str(tmp_path / "step_3"),
+        "tier": "local",
+        "reason": "weights.bin: sha256 differs from the manifest",
+    }
+    assert events[1][1]["reason"] == "weights.bin: 0 bytes, manifest says 2"
+    assert events[2][1]["path"] == str(tmp_path / "step_1")
+
+
+def test_auto_with_only_damaged_checkpoints_starts_fresh(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=3)
+    manager.save(1, writer(b"a"))
+    (tmp_path / "step_1" / MANIFEST).unlink()
+    assert manager.resolve("auto") is None
+
+
+def test_resume_path_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=3)
+    path = manager.save(1, writer(b"abc"))
+    (path / "nested" / "state.json").unlink()
+    with pytest.raises(UserError) as raised:
+        manager.resolve(str(path))
+    message = str(raised.value)
+    assert "damaged (nested/state.json: missing)" in message and "\n" not in message
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 200 KiB filesystem (tmpfs), so a large write fails with ENOSPC for real."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or 'not permitted'}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tiny_disk):
+    events = Events()
+    manager = CheckpointManager(tiny_disk / "checkpoints", keep=2, on_event=events)
+    manager.save(1, writer(b"s" * 10_000))
+
+    with pytest.raises(CheckpointSaveError) as raised:
+        manager.save(2, writer(b"L" * 400_000))  # twice the disk
+
+    message = str(raised.value)
+    assert "step 2" in message and str(tiny_disk / "checkpoints") in message
+    assert "No space left on device" in message and "MiB free" in message
+    assert raised.value.__cause__.errno == errno.ENOSPC
+    assert sorted(os.listdir(tiny_disk / "checkpoints")) == ["step_1"]  # partial one removed
+    assert verify(tiny_disk / "checkpoints" / "step_1") is None
+    assert manager.resolve("auto") == tiny_disk / "checkpoints" / "step_1"
+    (kind, fields) = events[0]
+    assert kind == "checkpoint_failed" and fields["step"] == 2
+    assert "No space left on device" in fields["reason"]
+    # Room comes back: the next save works.
+    assert manager.save(3, writer(b"s" * 10_000)) == tiny_disk / "checkpoints" / "step_3"
+
+
+def test_a_failed_write_of_the_manifest_is_a_save_error_too(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(1, writer(b"one"))
+
+    def no_room(directory):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("honing.checkpoint.manager.write_manifest", no_room)
+    with pytest.raises(CheckpointSaveError, match="No space left"):
+        manager.save(2, writer(b"two"))
+    assert sorted(os.listdir(tmp_path)) == ["step_1"]
+
+
+def test_a_bug_in_the_writer_is_not_taken_for_a_full_disk(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=2)
+
+    def buggy(directory):
+        raise KeyError("optimizer")
+
+    with pytest.raises(KeyError):
+        manager.save(1, buggy)
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_mth_checkpoint_is_mirrored_and_kept(tmp_path):
+    events = Events()
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(
+        tmp_path / "local", keep=1, mirror_url=f"file://{archive}", mirror_every=2, on_event=events
+    )
+    for step in range(1, 6):
+        manager.save(step, writer(bytes([step]) * 100))
+
+    assert manager.complete_steps() == [5]
+    assert manager.mirror.complete_steps() == [2, 4]
+    assert sorted(os.listdir(archive)) == ["step_2", "step_4"]
+    assert verify(archive / "step_4") is None
+    assert (archive / "step_4" / "weights.bin").read_bytes() == bytes([4]) * 100
+    assert events.kinds() == ["checkpoint_mirrored"] * 2
+
+
+def test_auto_falls_back_to_the_mirror_when_the_local_tier_is_lost(tmp_path):
+    events = Events()
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(
+        tmp_path / "local", keep=3, mirror_url=str(archive), mirror_every=2, on_event=events
+    )
+    for step in range(1, 4):
+        manager.save(step, writer(bytes([step]) * 100))
+    shutil.rmtree(tmp_path / "local")  # the node's disk is gone
+    events.clear()
+
+    chosen = manager.resolve("auto")
+
+    assert chosen == tmp_path / "local" / "step_2"
+    assert (chosen / "weights.bin").read_bytes() == bytes([2]) * 100
+    assert verify(chosen) is None
+    assert events.kinds() == ["checkpoint_verified", "checkpoint_from_mirror"]
+    assert events[1][1]["source"] == str(archive / "step_2")
+
+
+def test_a_damaged_or_unfinished_mirror_copy_is_skipped(tmp_path):
+    events = Events()
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(
+        tmp_path / "local", keep=3, mirror_url=str(archive), mirror_every=1, on_event=events
+    )
+    for step in (1, 2, 3):
+        manager.save(step, writer(bytes([step]) * 100))
+    shutil.rmtree(tmp_path / "local")
+    (archive / "step_3" / "COMPLETE").unlink()  # a push cut off before its marker
+    (archive / "step_2" / "weights.bin").write_bytes(b"rot" * 33 + b"!")
+    events.clear()
+
+    assert manager.resolve("auto") == tmp_path / "local" / "step_1"
+    assert events.kinds() == ["checkpoint_corrupt", "checkpoint_verified", "checkpoint_from_mirror"]
+    assert events[0][1]["tier"] == "mirror"
+    assert events[0][1]["reason"] == "ValueError: weights.bin: sha256 differs from the manifest"
+    assert not [p for p in os.listdir(tmp_path / "local") if p.startswith(".tmp-")]
+
+
+def test_a_failing_mirror_is_reported_and_the_local_checkpoint_stands(tmp_path):
+    events = Events()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    manager = CheckpointManager(
+        tmp_path / "local", keep=2, mirror_url=str(blocker / "archive"), on_event=events
+    )
+    path = manager.save(1, writer(b"one"))
+    assert verify(path) is None
+    assert events.kinds() == ["mirror_failed"]
+    assert events[0][1]["step"] == 1 and events[0][1]["reason"]
