@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from honing.errors import UserError
+from honing.errors import RunStopped, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"honing: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as stop:
+        print(f"honing: {stop}", file=sys.stderr)
+        return stop.exit_status
     except KeyboardInterrupt:
         print("honing: interrupted; resume with --resume auto", file=sys.stderr)
         return 130

@@ -167,6 +167,11 @@ class MonitorConfig:
     console: bool = _opt(True)
     tensorboard: bool = _opt(True)
     log_samples: int = _opt(4, ge=0)  # generations per step written to samples.jsonl
+    # Alert rules, "CONDITION [for N steps] -> ACTION[, ...]" (honing/monitor/alerts.py):
+    # too many non-finite updates in a row roll the run back to its last good checkpoint.
+    alerts: list = _opt(["actor/skipped_updates > 0 for 3 steps -> rollback"], items=str)
+    webhook_url: str = _opt("")  # where the webhook action POSTs
+    max_rollbacks: int = _opt(3, ge=0)  # then a rollback action stops the run instead
 
 
 @dataclass(frozen=True)

@@ -19,3 +19,10 @@ class DataError(UserError):
 
 class RewardError(UserError):
     """A reward function cannot be loaded, or a score failed under the ``error`` policy."""
+
+
+class RunStopped(Exception):
+    """An alert rule's ``stop`` action ended the run after writing a checkpoint; the CLI
+    exits with ``exit_status`` (3), which a supervisor does not restart."""
+
+    exit_status = 3

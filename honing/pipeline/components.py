@@ -216,6 +216,14 @@ def check_names(config: Config) -> None:
             "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
             "starting coefficient)"
         )
+    from honing.pipeline.alerting import parse_rules
+
+    rules = parse_rules(config.monitor)
+    if config.algorithm.kl_coef == 0 and any("kl_coef" in r.rollback for r in rules):
+        raise ConfigError(
+            "monitor.alerts: rollback(kl_coef=...) needs algorithm.kl_coef > 0 (a reference "
+            "model is loaded only then)"
+        )
     if config.algorithm.advantage == "grpo" and config.rollout.group_size < 2:
         raise ConfigError(
             "rollout.group_size: grpo compares samples within a group; with group_size="

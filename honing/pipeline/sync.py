@@ -18,12 +18,14 @@ import torch
 
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
+from honing.errors import RunStopped
 from honing.monitor import RunLogger
+from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
 from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
-from honing.pipeline.state import save_training_state
+from honing.pipeline.state import load_training_state, save_training_state
 from honing.trainer.critic import update_critic
 from honing.trainer.update import mini_batches, update_policy
 from honing.types import Rollout, Score
@@ -44,20 +46,87 @@ class SyncLoop:
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
+        self.lr_scale = 1.0  # rollbacks' accumulated learning-rate change
 
     def run(self, start_step: int) -> None:
         cfg = self.config.trainer
-        if start_step == 0 and cfg.val_at_start:
-            self.logger.log_metrics(0, self._validate())
-        for step in range(start_step + 1, cfg.total_steps + 1):
-            metrics = self.train_step(step)
-            last = step == cfg.total_steps
-            if last or (cfg.val_every and step % cfg.val_every == 0):
-                metrics |= self._validate()
-            self.logger.log_metrics(step, metrics)
-            every = self.config.checkpoint.every
-            if last or (every and step % every == 0):
-                save_training_state(self.checkpoints, self.parts, self.config, step)
+        alerting = Alerting(self.config.monitor, self.logger, self.checkpoints.root.parent)
+        try:
+            if start_step == 0 and cfg.val_at_start:
+                self.logger.log_metrics(0, self._validate())
+            step = start_step
+            while step < cfg.total_steps:
+                step += 1
+                metrics = self.train_step(step)
+                last = step == cfg.total_steps
+                if last or (cfg.val_every and step % cfg.val_every == 0):
+                    metrics |= self._validate()
+                self.logger.log_metrics(step, metrics)
+                decision = alerting.after_step(step, metrics)
+                if decision is not None:
+                    step = self._act(decision, step, alerting)
+                    continue
+                every = self.config.checkpoint.every
+                if last or (every and step % every == 0):
+                    save_training_state(self.checkpoints, self.parts, self.config, step)
+        finally:
+            alerting.close()
+
+    def _act(self, decision: Decision, step: int, alerting: Alerting) -> int:
+        """Stop (checkpoint, raise ``RunStopped``) or roll back; returns the step to go on
+        from."""
+        rule = decision.firing.rule.text
+        target = None
+        if decision.action == "rollback":
+            good = [s for s in self.checkpoints.complete_steps() if s <= decision.firing.good_step]
+            if alerting.rollbacks >= self.config.monitor.max_rollbacks:
+                reason = f"monitor.max_rollbacks={self.config.monitor.max_rollbacks} reached"
+            elif not good:
+                reason = f"no checkpoint at or before step {decision.firing.good_step}"
+            else:
+                target = good[-1]
+            if target is None:
+                self.logger.log_event("rollback_refused", step=step, rule=rule, reason=reason)
+        if target is None:
+            path = save_training_state(self.checkpoints, self.parts, self.config, step)
+            self.logger.log_event("stopped", step=step, rule=rule, checkpoint=str(path))
+            raise RunStopped(f"stopped by alert {rule!r} at step {step}; checkpoint {path}")
+        alerting.rollbacks += 1
+        changes = decision.firing.rule.rollback
+        self._rollback_to(target, changes)
+        alerting.engine.reset()
+        abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
+        dropped = self.logger.truncate_after(target)
+        self.logger.log_event(
+            "rollback",
+            step=step,
+            to_step=target,
+            rule=rule,
+            changes=changes,
+            count=alerting.rollbacks,
+            abandoned=abandoned,
+            dropped=dropped,
+        )
+        return target
+
+    def _rollback_to(self, step: int, changes: dict[str, float]) -> None:
+        """Reload the checkpoint of ``step`` and apply the rollback's changes on top (the
+        learning-rate scale accumulates over rollbacks)."""
+        parts = self.parts
+        load_training_state(parts, self.checkpoints.path_for(step))
+        self.lr_scale *= changes.get("lr_scale", 1.0)
+        scheduler = parts.scheduler
+        scheduler.base_lrs = [lr * self.lr_scale for lr in scheduler.base_lrs]
+        scheduler._last_lr = [lr * self.lr_scale for lr in scheduler.get_last_lr()]
+        for group, lr in zip(parts.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        if "temperature" in changes:
+            parts.train_sampling = replace(parts.train_sampling, temperature=changes["temperature"])
+            parts.update = replace(parts.update, temperature=changes["temperature"])
+        if "kl_coef" in changes:
+            parts.kl_controller.value = changes["kl_coef"]
+            if not self.config.algorithm.kl_in_reward:
+                parts.update = replace(parts.update, kl_coef=changes["kl_coef"])
 
     def _validate(self) -> dict[str, float]:
         parts = self.parts
