@@ -36,7 +36,6 @@ kernel exploits; for hostile code at scale use a VM or gVisor.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -51,10 +50,11 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from honing.rewards.processes import MARKER_ENV, count_processes, kill_everything
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("bwrap", "unshare", "none")
-_MARKER_ENV = "HONING_SANDBOX_RUN"
 _NONE_WARNING = (
     "sandbox backend 'none' (bwrap works: %s, unshare works: %s): programs run with rlimits, "
     "a process group and a deadline only. NOT isolated: network, filesystem (reads where "
@@ -104,7 +104,7 @@ class SandboxResult:
     signal: str | None = None
     isolation: str = "none"
     channel: bytes = field(default=b"", repr=False)
-    """What the program wrote to the side channel fd (``channel=True``), capped."""
+    """What the run wrote to its side-channel pipe (zygote runs: the judge's lines), capped."""
 
 
 def _run_quiet(argv: list[str], cwd: str, **kwargs) -> bool:
@@ -214,15 +214,6 @@ def _wrap(backend: str, argv: list[str], workdir: str, as_init: bool = False) ->
     return list(argv)
 
 
-def _count_processes(uid: int) -> int:
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                count += entry.stat().st_uid == uid
-    return count
-
-
 def _limited(argv: list[str], limits: Limits, nproc: int) -> list[str]:
     """``argv`` under ``prlimit`` (hard = soft limits; cheaper than a preexec_fn fork)."""
     cpu_s = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
@@ -258,7 +249,6 @@ def run_sandboxed(
     files: dict[str, str | bytes] | None = None,
     limits: Limits | None = None,
     backend: str = "auto",
-    channel: bool = False,
 ) -> SandboxResult:
     """Run ``argv`` in a fresh private directory and return how it ended.
 
@@ -268,9 +258,6 @@ def run_sandboxed(
         files: name -> content written into the working directory first.
         limits: resource limits (defaults: ``Limits()``).
         backend: ``auto``, ``bwrap``, ``unshare`` or ``none`` (module docstring).
-        channel: also open a side-channel pipe whose write end's fd number is put in the
-            program's environment as ``HONING_CHANNEL_FD``; its bytes come back in
-            ``result.channel`` (capped like stdout). Used by the code verifier's judge.
 
     Raises:
         ValueError: unknown or unusable backend.
@@ -286,7 +273,7 @@ def run_sandboxed(
         if ids:
             for path in (workdir, *(os.path.join(workdir, name) for name in files or {})):
                 os.chown(path, *ids)
-        return _execute(argv, stdin, workdir, ids, limits, isolation, channel)
+        return _execute(argv, stdin, workdir, ids, limits, isolation)
     finally:
         shutil.rmtree(workdir, onerror=_force_remove)
 
@@ -300,20 +287,16 @@ def _force_remove(function, path, _exc_info) -> None:
         pass
 
 
-def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxResult:
+def _execute(argv, stdin, workdir, ids, limits, isolation) -> SandboxResult:
     token = secrets.token_hex(8)
-    nproc = limits.max_processes + (0 if ids else _count_processes(os.geteuid()))
+    nproc = limits.max_processes + (0 if ids else count_processes(os.geteuid()))
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": workdir,
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
-        _MARKER_ENV: token,
+        MARKER_ENV: token,
     }
-    channel_read = channel_write = None
-    if channel:
-        channel_read, channel_write = os.pipe()
-        env["HONING_CHANNEL_FD"] = str(channel_write)
     user = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}
     started = time.monotonic()
     try:
@@ -325,18 +308,12 @@ def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxRe
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            pass_fds=(channel_write,) if channel else (),
             **user,
         )
     except OSError as exc:
-        for fd in (channel_read, channel_write):
-            if fd is not None:
-                os.close(fd)
         return SandboxResult(None, "", f"could not start: {exc}", False, 0.0, isolation=isolation)
-    if channel_write is not None:
-        os.close(channel_write)
-    captures, timed_out = _pump(proc, stdin, channel_read, limits, started)
-    _kill_everything(proc, ids, token)
+    captures, timed_out = _pump(proc, stdin, limits, started)
+    kill_everything(proc, ids, token)
     wall_s = time.monotonic() - started
     code = proc.returncode
     return SandboxResult(
@@ -349,20 +326,16 @@ def _execute(argv, stdin, workdir, ids, limits, isolation, channel) -> SandboxRe
         stderr_truncated=captures["stderr"].truncated,
         signal=signal.Signals(-code).name if code is not None and code < 0 else None,
         isolation=isolation,
-        channel=b"".join(captures["channel"].parts),
     )
 
 
-def _pump(proc, stdin: bytes, channel_read, limits: Limits, started: float):
+def _pump(proc, stdin: bytes, limits: Limits, started: float):
     """Feed stdin and read the outputs until the program has exited and its pipes are closed
     (or half a second after its exit, if strays still hold them), or until the deadline."""
     captures = {name: _Capture(limits.max_output_bytes) for name in ("stdout", "stderr")}
-    captures["channel"] = _Capture(limits.max_output_bytes)
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
     selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    if channel_read is not None:
-        selector.register(channel_read, selectors.EVENT_READ, "channel")
     pending = memoryview(stdin)
     if pending:
         os.set_blocking(proc.stdin.fileno(), False)
@@ -371,7 +344,7 @@ def _pump(proc, stdin: bytes, channel_read, limits: Limits, started: float):
         proc.stdin.close()
     pidfd = os.pidfd_open(proc.pid)
     selector.register(pidfd, selectors.EVENT_READ, "exit")
-    limit, exited, readers = started + limits.timeout_s, False, 2 + (channel_read is not None)
+    limit, exited, readers = started + limits.timeout_s, False, 2
     try:
         while not (exited and readers == 0) and time.monotonic() < limit:
             for key, _ in selector.select(limit - time.monotonic()):
@@ -380,7 +353,7 @@ def _pump(proc, stdin: bytes, channel_read, limits: Limits, started: float):
                     proc.wait()
                     exited, limit = True, min(limit, time.monotonic() + 0.5)
                 elif key.data == "stdin":
-                    pending = _feed(proc, pending)
+                    pending = _feed(proc.stdin.fileno(), pending)
                     if not pending:
                         selector.unregister(proc.stdin)
                         proc.stdin.close()
@@ -396,54 +369,14 @@ def _pump(proc, stdin: bytes, channel_read, limits: Limits, started: float):
         os.close(pidfd)
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             stream.close()
-        if channel_read is not None:
-            os.close(channel_read)
     return captures, not exited
 
 
-def _feed(proc, pending: memoryview) -> memoryview:
+def _feed(fd: int, pending: memoryview) -> memoryview:
+    """Write what the pipe ``fd`` (non-blocking) takes of ``pending``; the rest is returned."""
     try:
-        return pending[os.write(proc.stdin.fileno(), pending[:65536]) :]
+        return pending[os.write(fd, pending[:65536]) :]
     except BlockingIOError:
         return pending
     except BrokenPipeError:
         return pending[:0]
-
-
-def _kill_everything(proc, ids: tuple[int, int] | None, token: str) -> None:
-    """SIGKILL the run's process group, then every process left of the run until none remain:
-    when root, those of the run's fresh uid; otherwise those whose environment carries the
-    run's marker (best effort: one that cleared its environment, as a non-root user without
-    namespaces, is not found). With namespaces the PID namespace dies with its first process;
-    the sweep waits for that to finish."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    needle = f"{_MARKER_ENV}={token}".encode()
-    for _round in range(200):
-        found = [pid for pid in _live_pids() if _belongs(pid, ids, needle)]
-        for pid in found:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        if not found:
-            return
-        time.sleep(0.005)
-    log.warning("sandbox: processes of run %s survived the kill sweep", token)
-
-
-def _live_pids() -> list[int]:
-    return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
-
-
-def _belongs(pid: int, ids: tuple[int, int] | None, needle: bytes) -> bool:
-    try:
-        if ids:
-            with open(f"/proc/{pid}/status", "rb") as handle:
-                status = handle.read(2048).decode(errors="replace")
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            alive = fields.get("State", "").split()[:1] not in (["Z"], ["X"])
-            return alive and fields.get("Uid", "").split()[:1] == [str(ids[0])]
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return needle in handle.read()
-    except OSError:
-        return False

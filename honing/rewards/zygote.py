@@ -56,13 +56,13 @@ import time
 import weakref
 from pathlib import Path
 
+from honing.rewards.processes import MARKER_ENV, kill_everything
 from honing.rewards.sandbox import (
-    _MARKER_ENV,
     Limits,
     SandboxResult,
     _Capture,
+    _feed,
     _fresh_ids,
-    _kill_everything,
     _wrap,
     resolve_backend,
     sandbox_python,
@@ -124,7 +124,7 @@ class Zygote:
             "HOME": self._workroot,
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
-            _MARKER_ENV: self._token,
+            MARKER_ENV: self._token,
         }
         host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ids = self._ids
@@ -263,19 +263,10 @@ class Zygote:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=1.0)
             ids = self._ids or ((run_uid, run_uid) if run_uid is not None else None)
-            _kill_everything(proc, ids, self._token)
+            kill_everything(proc, ids, self._token)
         if self._workroot:
             shutil.rmtree(self._workroot, ignore_errors=True)
             self._workroot = ""
-
-
-def _feed(fd: int, pending: memoryview) -> memoryview:
-    try:
-        return pending[os.write(fd, pending[:65536]) :]
-    except BlockingIOError:
-        return pending
-    except BrokenPipeError:
-        return pending[:0]
 
 
 class ZygotePool:
