@@ -259,6 +259,8 @@ def main():
     os.dup2(null, 0)
     os.close(null)
     prctl(PR_SET_DUMPABLE, 0)
+    if CONFIG["sweep"] == "init" and os.getpid() != 1:
+        raise SystemExit("the namespaced zygote must be PID 1 (its sweep is kill(-1))")
     if os.getpid() != 1:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
     control.send(json.dumps({"ready": os.getpid()}).encode())

@@ -12,10 +12,14 @@ Ground truth (a dict, or the same as a JSON string as verl datasets store it):
 
 Scoring: ``"all"`` (1.0 only if every test passes) or ``"pass_rate"`` (fraction passed).
 
+Where programs run: each worker keeps a zygote, a Python already started inside its sandbox
+(``zygote``: what consecutive programs of a worker share and why that is safe); every program
+(every stdin/stdout case) is a fresh fork of it, with its own directory, limits and deadline.
+
 Why assert-based tests cannot be fooled: the program never shares a process with the tests.
-Inside the sandbox a judge process reads the program, marks itself non-dumpable (so a process
-without ``CAP_SYS_PTRACE`` cannot read its memory or file descriptors), then forks the candidate
-process, which closes every descriptor but its two RPC pipes *before* running the program, and
+In its run the judge (``_judge.py``) is non-dumpable (so a process without ``CAP_SYS_PTRACE``
+cannot read its memory or file descriptors), reads the program, forks the candidate process,
+which closes every descriptor but its two RPC pipes *before* running the program, and
 only then reads the tests and a per-run secret nonce. The tests run in the judge; every name the
 program defines becomes a proxy that calls into the candidate process, and results come back
 through ``marshal``, which can only carry exact builtin data (None, bool, int, float, complex,
@@ -27,8 +31,8 @@ judge's nonce-marked lines on a side-channel pipe the candidate has closed; exit
 nothing. Limits: the program's functions must take and return builtin data (objects of its
 own classes, generators, in-place mutation of arguments do not cross the process boundary, so
 such tests fail); ``check`` is one test, so ``pass_rate`` is 0 or 1 for HumanEval; on backend
-``none`` as a non-root user the candidate runs as the same uid as the judge and the host, so
-it could signal the host (see ``sandbox``).
+``none`` as a non-root user the candidate runs as the same uid as the judge, the zygote and
+the host, so it could signal them (see ``sandbox`` and ``zygote``).
 """
 
 from __future__ import annotations
