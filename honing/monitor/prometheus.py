@@ -121,7 +121,7 @@ class PrometheusSink:
                 f"# TYPE {PREFIX}last_step_timestamp_seconds gauge",
                 f"{PREFIX}last_step_timestamp_seconds {format_sample(step_time)}",
             ]
-        return "\n".join(lines) + "\n"
+        return "".join(line + "\n" for line in lines)
 
     def close(self) -> None:
         """Stops serving and frees the port."""

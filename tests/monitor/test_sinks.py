@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from honing.monitor import JsonlSink, RunLogger, TensorBoardSink, aggregate, truncate_jsonl
+from honing.monitor.logger import distribution_metrics
+from honing.monitor.sinks import histogram_proto
 
 
 def read_jsonl(path):
@@ -129,6 +131,65 @@ def test_tensorboard_restart_marker_hides_steps_after_it(tmp_path):
     assert tensorboard_scalars(tmp_path / "tb")["loss"] == [(1, 1.0), (2, 20.0)]
 
 
+def tensorboard_histograms(log_dir):
+    """Tag -> [(step, [(left, right, count), ...])], as TensorBoard's loader reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"histograms": 0})  # keep all
+    accumulator.Reload()
+    result = {}
+    for tag in accumulator.Tags()["histograms"]:
+        for event in accumulator.Histograms(tag):
+            value = event.histogram_value
+            lefts = [value.min, *value.bucket_limit[:-1]]
+            buckets = list(zip(lefts, value.bucket_limit, value.bucket, strict=True))
+            result.setdefault(tag, []).append((event.step, value.num, buckets))
+    return result
+
+
+def test_histogram_proto_one_bucket_per_integer():
+    proto = histogram_proto([1, 2, 2, 4, math.nan])
+    assert (proto.min, proto.max, proto.num, proto.sum, proto.sum_squares) == (1, 4, 4, 9, 25)
+    assert list(proto.bucket_limit) == [1.5, 2.5, 3.5, 4.5]
+    assert list(proto.bucket) == [1, 2, 0, 1]
+
+
+def test_histogram_proto_of_real_values_and_of_nothing():
+    proto = histogram_proto([0.0, 0.25, 1.0], max_buckets=4)
+    assert list(proto.bucket_limit) == [0.25, 0.5, 0.75, 1.0]
+    assert list(proto.bucket) == [1, 1, 0, 1]  # numpy's last bucket includes its right edge
+    same = histogram_proto([0.5, 0.5])
+    assert (list(same.bucket_limit), list(same.bucket)) == ([1.0], [2])
+    assert histogram_proto([]) is None and histogram_proto([math.inf]) is None
+
+
+def test_tensorboard_histograms_round_trip(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write_histograms(1, {"response_length": [1, 2, 2, 4], "critic/score": [math.nan]})
+    sink.write_histograms(2, {"response_length": [3, 3]})
+    sink.close()
+
+    histograms = tensorboard_histograms(tmp_path / "tb")
+    assert list(histograms) == ["response_length"]  # all-NaN values write no histogram
+    (step1, num1, buckets1), (step2, num2, buckets2) = histograms["response_length"]
+    assert (step1, num1, buckets1[1]) == (1, 4, (1.5, 2.5, 2))
+    assert (step2, num2, buckets2) == (2, 2, [(3, 3.5, 2)])
+
+
+def test_distribution_metrics_hand_checked():
+    assert distribution_metrics("len", [5, 1, 4, 2, 3, math.nan]) == {
+        "len/min": 1,
+        "len/p10": 1.4,  # rank 0.4 between 1 and 2
+        "len/p25": 2,
+        "len/p50": 3,
+        "len/p75": 4,
+        "len/p90": 4.6,
+        "len/max": 5,
+    }
+    assert distribution_metrics("x", [7])["x/p90"] == 7
+    assert distribution_metrics("x", [math.nan]) == {}
+
+
 def test_aggregate_means_and_skips_empty_lists():
     result = aggregate({"loss": [1.0, 2.0, 6.0], "empty": [], "one": [0.5]})
     assert result == {"loss": 3.0, "one": 0.5}
@@ -210,10 +271,57 @@ def test_run_logger_fans_out_to_extra_sinks(tmp_path):
     assert recorder.closed
 
 
-def test_importing_monitor_does_not_import_tensorboard_or_torch():
+def test_run_logger_sends_histograms_only_to_sinks_that_take_them(tmp_path):
+    class Plain:
+        def write(self, step, metrics):
+            pass
+
+        def close(self):
+            pass
+
+    class WithHistograms(Plain):
+        def __init__(self):
+            self.histograms = []
+
+        def write_histograms(self, step, histograms):
+            self.histograms.append((step, histograms))
+
+    taking = WithHistograms()
+    with RunLogger(tmp_path, total_steps=2, console=False, sinks=[Plain(), taking]) as log:
+        log.log_histograms(2, {"critic/score": [0.0, 1.0]})
+    assert taking.histograms == [(2, {"critic/score": [0.0, 1.0]})]
+    assert tensorboard_histograms(tmp_path / "tensorboard")["critic/score"][0][:2] == (2, 2)
+
+
+def test_run_logger_close_closes_every_sink_even_if_one_fails(tmp_path):
+    closed = []
+
+    class Failing:
+        def write(self, step, metrics):
+            pass
+
+        def close(self):
+            raise OSError("remote tracker unreachable")
+
+    class Recording(Failing):
+        def close(self):
+            closed.append(True)
+
+    logger = RunLogger(
+        tmp_path, total_steps=2, tensorboard=False, console=False, sinks=[Failing(), Recording()]
+    )
+    with pytest.raises(OSError, match="unreachable"):
+        logger.close()
+    assert closed == [True]
+    with pytest.raises(ValueError, match="closed"):
+        logger.log_samples(1, [{"x": 1}])
+
+
+def test_importing_monitor_does_not_import_heavy_modules():
     code = (
         "import sys, honing.monitor, honing.checkpoint\n"
-        "heavy = [m for m in ('tensorboard', 'torch') if m in sys.modules]\n"
+        "heavy = ('tensorboard', 'torch', 'numpy', 'http.server')\n"
+        "heavy = [m for m in heavy if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     repo_root = Path(__file__).resolve().parents[2]

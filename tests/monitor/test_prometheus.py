@@ -1,0 +1,86 @@
+"""Tests for the Prometheus endpoint: real HTTP GETs on loopback."""
+
+import math
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from honing.errors import ConfigError
+from honing.monitor.prometheus import PrometheusSink, format_sample, prometheus_name
+
+
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.headers["Content-Type"], response.read().decode("utf-8")
+
+
+def samples(text):
+    """Metric name -> value string, from the non-comment lines."""
+    return dict(line.split(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("critic/score/mean", "honing_critic_score_mean"),
+        ("val/pass@8", "honing_val_pass_8"),
+        ("timing_s/step", "honing_timing_s_step"),
+        ("reward/latency_p99_ms", "honing_reward_latency_p99_ms"),
+        ("/odd//name-", "honing_odd_name"),
+        ("8bit", "honing_8bit"),
+    ],
+)
+def test_prometheus_name(name, expected):
+    assert prometheus_name(name) == expected
+
+
+def test_format_sample_non_finite():
+    assert [format_sample(v) for v in (math.nan, math.inf, -math.inf)] == ["NaN", "+Inf", "-Inf"]
+    assert format_sample(0.25) == "0.25"
+
+
+def test_serves_latest_values_over_http():
+    sink = PrometheusSink(port=0)
+    try:
+        content_type, text = scrape(sink.url)
+        assert content_type.startswith("text/plain; version=0.0.4")
+        assert samples(text) == {}  # nothing logged yet: no step gauge either
+
+        sink.write(1, {"critic/score/mean": 0.25, "val/accuracy": 0.5, "note": "text"})
+        sink.write(2, {"critic/score/mean": 0.75, "actor/grad_norm": math.nan})
+        _, text = scrape(sink.url)
+    finally:
+        sink.close()
+
+    values = samples(text)
+    assert values["honing_critic_score_mean"] == "0.75"
+    assert values["honing_val_accuracy"] == "0.5"  # kept from step 1 until logged again
+    assert values["honing_actor_grad_norm"] == "NaN"
+    assert values["honing_step"] == "2"
+    assert abs(float(values["honing_last_step_timestamp_seconds"]) - time.time()) < 60
+    assert "honing_note" not in values
+    assert "# HELP honing_critic_score_mean critic/score/mean" in text
+    assert "# TYPE honing_critic_score_mean gauge" in text
+
+
+def test_other_paths_are_404():
+    sink = PrometheusSink(port=0)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/other", timeout=5)
+        assert error.value.code == 404
+    finally:
+        sink.close()
+
+
+def test_busy_port_is_a_config_error_and_close_frees_the_port():
+    first = PrometheusSink(port=0)
+    port = first.port
+    with pytest.raises(ConfigError, match=f"monitor.prometheus_port={port}: cannot listen"):
+        PrometheusSink(port=port)
+    first.close()
+    again = PrometheusSink(port=port)  # the port is free again after close
+    assert again.port == port
+    again.close()

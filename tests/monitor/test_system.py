@@ -1,0 +1,79 @@
+"""Tests for the per-step process signals: CPU percent, RSS, GPU memory."""
+
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from honing.monitor.system import SystemSampler, gpu_mem_mb, rss_mb, system_metrics
+
+HAS_PROC = Path("/proc/self/statm").exists()
+
+
+def busy(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_percent_of_a_busy_then_an_idle_window():
+    sampler = SystemSampler()
+    busy(0.2)
+    loaded = sampler.sample()["system/cpu_percent"]
+    time.sleep(0.2)
+    idle = sampler.sample()["system/cpu_percent"]
+    # One thread spinning uses one core: ~100%, less when other processes share the cores.
+    assert 20 < loaded < 110
+    assert 0 <= idle < 25
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_rss_matches_the_kernels_vmrss_and_grows_with_an_allocation():
+    status = Path("/proc/self/status").read_text()
+    vm_rss_kib = int(
+        next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
+    )
+    assert abs(rss_mb() - vm_rss_kib / 1024) < 8
+    before = rss_mb()
+    block = bytearray(64 * 2**20)  # zero-filled: the pages are touched
+    assert rss_mb() - before > 48
+    del block
+
+
+def test_rss_without_proc_is_none(tmp_path):
+    assert rss_mb(tmp_path / "absent") is None
+
+
+def test_system_metrics_names_and_values():
+    metrics = system_metrics()
+    assert set(metrics) >= {"system/cpu_percent"}
+    assert ("system/rss_mb" in metrics) == HAS_PROC
+    assert all(math.isfinite(value) and value >= 0 for value in metrics.values())
+
+
+def test_gpu_memory_is_absent_without_cuda_or_torch(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert gpu_mem_mb() is None  # never imports torch itself
+    assert "torch" not in sys.modules
+
+
+@pytest.mark.gpu
+def test_gpu_memory_counts_a_cuda_allocation():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    assert gpu_mem_mb() >= 64
+    assert SystemSampler().sample()["system/gpu_mem_mb"] >= 64
+    del block
+
+
+def test_cpu_time_counts_other_threads():
+    sampler = SystemSampler()
+    worker = threading.Thread(target=busy, args=(0.15,))
+    worker.start()
+    worker.join()
+    assert sampler.sample()["system/cpu_percent"] > 20
