@@ -2,13 +2,16 @@
 
     step 12/200 [#...................] 6% | score 0.41 | pg_loss -0.012 | 0.42 s/step | ETA 1m19s
 
-On a terminal (TTY) the line is redrawn in place; on anything else (a log file, a pipe, a
-notebook capture) each step prints a plain line, with no carriage returns.
+On a terminal (TTY) the line is redrawn in place, cut to the terminal's width (a wrapped
+line could not be redrawn); on anything else (a log file, a pipe, a notebook capture) every
+``total_steps // 50``-th step prints a plain line, with no carriage returns, so a whole run
+is about 50 lines plus validations.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -103,6 +106,8 @@ class ConsoleSink:
             get their short label, others are shown by full name. Missing metrics are left
             out of the line.
         window: How many recent step times the ETA median uses.
+        width: Columns of the in-place line on a TTY; ``None`` asks the terminal at each
+            redraw (so resizing is followed).
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class ConsoleSink:
         stream: TextIO | None = None,
         keys: list[str] | None = None,
         window: int = 20,
+        width: int | None = None,
     ) -> None:
         if total_steps <= 0:
             raise ValueError(f"total_steps must be positive, got {total_steps}")
@@ -123,6 +129,7 @@ class ConsoleSink:
         self._line_pending = False
         self._last_line = ""
         self._log_every = max(1, total_steps // 50)
+        self._width = width
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Prints the summary line of ``step``."""
@@ -167,6 +174,9 @@ class ConsoleSink:
 
     def _show(self, line: str, keep: bool = False) -> None:
         if self._in_place:
+            if not keep:
+                width = self._width or shutil.get_terminal_size().columns
+                line = line[: max(width - 1, 1)]  # the last column would wrap on some terminals
             self.stream.write(_CLEAR_LINE + line + ("\n" if keep else ""))
             self._line_pending = not keep
             self._last_line = "" if keep else line

@@ -157,3 +157,12 @@ def test_console_note_on_a_plain_stream_is_a_line():
     stream = io.StringIO()
     ConsoleSink(2, stream=stream).note("[restart] from_step=1")
     assert stream.getvalue() == "[restart] from_step=1\n"
+
+
+def test_console_cuts_the_in_place_line_to_the_terminal_width():
+    stream = FakeTerminal()
+    sink = ConsoleSink(4, stream=stream, width=21)
+    sink.write(1, {"timing_s/step": 1.0})
+    assert stream.getvalue() == "\r\x1b[Kstep 1/4 [#####....."  # 20 = width - 1
+    sink.write(4, {"timing_s/step": 1.0})  # the last line stays on screen whole
+    assert stream.getvalue().endswith("| 1 s/step | ETA 0s\n")
