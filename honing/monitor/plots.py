@@ -85,13 +85,11 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     """
     raw = (high - low) / max(count, 1)
     power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.ceil(low / step - 1e-9) * step
-    ticks = []
-    tick = first
-    while tick <= high + step * 1e-9:
-        ticks.append(0.0 if abs(tick) < step * 1e-9 else tick)
-        tick += step
+    # The candidate step nearest to the raw one on a log scale keeps the count near ``count``.
+    step = min((m * power for m in (1, 2, 5, 10)), key=lambda s: abs(math.log(s / raw)))
+    first = math.ceil(low / step - 1e-9)
+    last = math.floor(high / step + 1e-9)
+    ticks = [round(i * step, 12) for i in range(first, last + 1)]
     return ticks or [low]
 
 
@@ -162,23 +160,37 @@ def _axes(frame: _Frame, integer_x: bool) -> list[str]:
     return parts
 
 
+def _compact(pixels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Drops the inner points of horizontal runs (flat series cost two points, not hundreds)."""
+    kept = []
+    for i, point in enumerate(pixels):
+        flat = 0 < i < len(pixels) - 1 and pixels[i - 1][1] == point[1] == pixels[i + 1][1]
+        if not flat:
+            kept.append(point)
+    return kept
+
+
 def _polyline(frame: _Frame, points: Sequence[tuple[float, float | None]]) -> str:
-    commands, pen_down = [], False
+    segments: list[list[tuple[float, float]]] = [[]]
     for x, y in points:
         if y is None:
-            pen_down = False
-            continue
-        commands.append(f"{'L' if pen_down else 'M'}{frame.x(x):.1f} {frame.y(y):.1f}")
-        pen_down = True
-    return "".join(commands)
+            segments.append([])
+        else:
+            segments[-1].append((round(frame.x(x), 1), round(frame.y(y), 1)))
+    return "".join(
+        "M" + "L".join(f"{x:g} {y:g}" for x, y in _compact(segment))
+        for segment in segments
+        if segment
+    )
 
 
 def _area(frame: _Frame, points: Sequence[tuple[float, float, float]]) -> str:
     if not points:
         return ""
-    upper = [f"{frame.x(x):.1f} {frame.y(high):.1f}" for x, _, high in points]
-    lower = [f"{frame.x(x):.1f} {frame.y(low):.1f}" for x, low, _ in reversed(points)]
-    return "M" + "L".join(upper + lower) + "Z"
+    upper = [(round(frame.x(x), 1), round(frame.y(high), 1)) for x, _, high in points]
+    lower = [(round(frame.x(x), 1), round(frame.y(low), 1)) for x, low, _ in reversed(points)]
+    corners = _compact(upper) + _compact(lower)
+    return "M" + "L".join(f"{x:g} {y:g}" for x, y in corners) + "Z"
 
 
 def _extent(lines: Sequence[Line], bands: Sequence[Band]) -> tuple[list[float], list[float]]:
@@ -255,8 +267,8 @@ def _merge_band(points: Sequence[tuple[float, float, float]]) -> list[tuple]:
 def _line_parts(frame: _Frame, line: Line) -> list[str]:
     buckets = downsample(line.points)
     parts = []
-    if len(buckets) < len(line.points):
-        envelope = [(x, low, high) for x, mean, low, high in buckets if mean is not None]
+    envelope = [(x, low, high) for x, mean, low, high in buckets if mean is not None]
+    if len(buckets) < len(line.points) and any(low < high for _, low, high in envelope):
         parts.append(
             f'<path class="envelope" d="{_area(frame, envelope)}" fill="{line.color}" '
             'fill-opacity="0.12" stroke="none" />'

@@ -51,9 +51,13 @@ margin:0 24px}
 .caption{font-size:12px;color:#666}
 table{border-collapse:collapse;margin:0 24px 24px;background:#fff;font-size:13px}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+td{max-width:560px;white-space:pre-wrap;word-break:break-word}
 th{background:#f0f0f0}tr.bad td{background:#fdecea}td.mono{font-family:monospace}
 """
+# Event kinds that deserve a red badge and a highlighted row; restarts get a neutral badge.
 ATTENTION = {"stop", "stopped", "rollback", "alert", "crash", "nonfinite", "error"}
+STOP_KINDS = {"stop", "stopped"}
+RESTART_KINDS = {"restart", "restarted", "resumed"}
 
 
 def _esc(value: Any) -> str:
@@ -84,28 +88,38 @@ def _first_last(run: RunData, name: str) -> str:
     return f"{first:.4g} (step {first_step}) → {last:.4g} (step {last_step})"
 
 
+def _progress_badge(run: RunData, last_step: int | None, total: Any) -> str:
+    stops = [event for event in run.events if event.get("kind") in STOP_KINDS]
+    if stops:
+        step = stops[-1].get("step", last_step)
+        return f'<span class="badge bad">stopped at step {_esc(step)}</span>'
+    if last_step is None:
+        return '<span class="badge">no step logged yet</span>'
+    if isinstance(total, int) and last_step >= total:
+        return '<span class="badge ok">finished</span>'
+    return f'<span class="badge">running or interrupted at step {last_step}</span>'
+
+
 def _status_badges(run: RunData, last_step: int | None, total: Any) -> list[str]:
-    badges = []
-    kinds: dict[str, list[dict[str, Any]]] = {}
+    """Progress, then one badge per kind of notable event (alerts list their actions)."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
     for event in run.events:
-        for name in {event.get("kind"), event.get("action")} & ATTENTION | (
-            {"restart"} if event.get("kind") in ("restarted", "resumed", "restart") else set()
-        ):
-            kinds.setdefault(name, []).append(event)
-    for name, events in sorted(kinds.items()):
+        kind = event.get("kind")
+        if kind in ATTENTION - STOP_KINDS or kind in RESTART_KINDS:
+            by_kind.setdefault(str(kind), []).append(event)
+    badges = [_progress_badge(run, last_step, total)]
+    for kind, events in sorted(by_kind.items()):
+        actions = sorted({str(e["action"]) for e in events if e.get("action")})
+        label = f"{kind} ×{len(events)}" + (f" ({', '.join(actions)})" if actions else "")
         step = events[-1].get("step")
-        where = f", last at step {step}" if step is not None else ""
-        css = "badge" if name == "restart" else "badge bad"
-        badges.append(f'<span class="{css}">{_esc(name)} ×{len(events)}{_esc(where)}</span>')
+        label += f", last at step {step}" if step is not None else ""
+        css = "badge" if kind in RESTART_KINDS else "badge bad"
+        badges.append(f'<span class="{css}">{_esc(label)}</span>')
     nonfinite = sum(
         1 for record in run.metrics for key, v in record.items() if key != "time" and v is None
     )
     if nonfinite:
         badges.append(f'<span class="badge bad">{nonfinite} non-finite metric values</span>')
-    if isinstance(total, int) and last_step is not None and last_step >= total:
-        badges.insert(0, '<span class="badge ok">finished</span>')
-    elif last_step is not None:
-        badges.insert(0, f'<span class="badge">running or interrupted at step {last_step}</span>')
     return badges
 
 

@@ -20,7 +20,15 @@ from typing import Any
 import yaml
 
 from honing.monitor.logger import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
-from honing.monitor.plots import PALETTE, Band, Line, format_number, heat_strip, line_chart
+from honing.monitor.plots import (
+    MAX_POINTS,
+    PALETTE,
+    Band,
+    Line,
+    format_number,
+    heat_strip,
+    line_chart,
+)
 
 HEAT_COLUMNS, HEAT_BINS = 60, 12
 TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update")
@@ -137,6 +145,11 @@ def _chart(
     legend = [(_with_last(line), line.color, 1.0) for line in lines]
     legend += [(band.label, band.color, band.opacity) for band in bands]
     svg = line_chart(lines, bands, title=title, **options)
+    longest = max(len(series.points) for series in [*lines, *bands])
+    if longest > MAX_POINTS:
+        per_point = math.ceil(longest / MAX_POINTS)
+        shrunk = f"each point: mean of {per_point} steps, pale shade: their min–max"
+        caption = f"{caption}; {shrunk}" if caption else shrunk
     return Chart(title, svg, tuple(legend), "", caption)
 
 
