@@ -341,10 +341,15 @@ class CheckpointManager:
         self._event("checkpoint_corrupt", path=str(path), tier=tier, reason=problem)
         return False
 
-    def latest_good(self) -> Path | None:
+    def latest_good(self, at_most: int | None = None) -> Path | None:
         """The newest local checkpoint that passes its manifest, skipping (and reporting)
-        damaged ones; ``None`` if there is none."""
-        for step in reversed(self.complete_steps()):
+        damaged ones; ``None`` if there is none.
+
+        Args:
+            at_most: Only consider steps up to this one (a rollback to before a collapse).
+        """
+        steps = [s for s in self.complete_steps() if at_most is None or s <= at_most]
+        for step in reversed(steps):
             if self._check(self.path_for(step)):
                 return self.path_for(step)
         return None

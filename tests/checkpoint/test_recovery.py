@@ -203,3 +203,13 @@ def test_a_failing_mirror_is_reported_and_the_local_checkpoint_stands(tmp_path):
     assert verify(path) is None
     assert events.kinds() == ["mirror_failed"]
     assert events[0][1]["step"] == 1 and events[0][1]["reason"]
+
+
+def test_latest_good_at_most_a_step(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=5)
+    for step in (2, 4, 6):
+        manager.save(step, writer(b"w"))
+    (tmp_path / "step_4" / "weights.bin").write_bytes(b"")
+    assert manager.latest_good(at_most=5) == tmp_path / "step_2"
+    assert manager.latest_good(at_most=1) is None
+    assert manager.latest_good() == tmp_path / "step_6"
