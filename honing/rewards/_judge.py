@@ -11,6 +11,8 @@ and only then reads the tests and the nonce; results cross back through ``marsha
 import ast
 import builtins
 import contextlib
+import importlib
+import json
 import marshal
 import os
 import struct
@@ -109,8 +111,6 @@ def proxy(name, requests, replies):
 
 def run_tests(spec, names, requests, replies, report):
     """Execute the tests statement by statement in the judge; report each test's outcome."""
-    import importlib
-
     scope = {"__name__": "__tests__", "__builtins__": builtins}
     for key, kind in names.items():
         if kind[0] == "call":
@@ -146,8 +146,6 @@ def run_tests(spec, names, requests, replies, report):
 def judge(stdin, channel):
     """Read the program frame from ``stdin``, fork the candidate, then read the spec frame
     (tests, entry point, nonce) and report nonce-marked lines on ``channel``."""
-    import json
-
     program = json.loads(recv(stdin))["program"]
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()

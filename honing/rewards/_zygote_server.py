@@ -10,6 +10,7 @@ outputs (the run reads its stdin pipe after the fork; the host reads the output 
 run's data is in the memory the next run is forked from.
 """
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -22,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+import traceback
+import types
 
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 KEYCTL = {"x86_64": 250, "aarch64": 219}  # syscall numbers (no libc wrapper)
@@ -59,10 +62,6 @@ def set_limits(request):
 
 def run_main(stdin):
     """Stdio mode: read the program frame, then run it as ``python -I main.py`` would."""
-    import atexit
-    import traceback
-    import types
-
     source = json.loads(JUDGE["recv"](stdin))["program"]
     module = types.ModuleType("__main__")
     module.__file__ = "main.py"
@@ -128,7 +127,12 @@ def wait_run(pid, deadline, control):
 
 
 def reap(patience_s=2.0):
-    """Reap every child (the run's orphans are ours: we are init or a subreaper)."""
+    """Reap every child (the run's orphans are ours: we are init or a subreaper). After a
+    ``kill(-1)`` every child is dying, so block; else poll, for at most ``patience_s``."""
+    if CONFIG["sweep"] != "tree":
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                os.waitpid(-1, 0)
     give_up = time.monotonic() + patience_s
     while time.monotonic() < give_up:
         try:
