@@ -23,6 +23,7 @@ LEFT, RIGHT, TOP, BOTTOM = 56, 14, 10, 26
 MAX_POINTS = 300
 DOT_LIMIT = 40  # series with at most this many points also get a dot per point
 NONFINITE_COLOR = "#d62728"
+EVENT_COLOR = "#9b59b6"
 PALETTE = (
     "#1f77b4",
     "#ff7f0e",
@@ -207,6 +208,7 @@ def line_chart(
     *,
     y_floor: float | None = None,
     hlines: Sequence[tuple[float, str]] = (),
+    vlines: Sequence[tuple[float, str]] = (),
     title: str = "",
 ) -> str:
     """Draws lines over shaded bands on step axes, as one ``<svg>`` element.
@@ -217,6 +219,8 @@ def line_chart(
         bands: Shaded areas drawn under the lines (downsampled the same way).
         y_floor: A value the y axis must include (e.g. 0 for accuracies and lengths).
         hlines: Horizontal reference lines ``(y, label)``, e.g. a length limit.
+        vlines: Vertical marks ``(step, label)``, e.g. alerts and rollbacks; marks outside
+            the steps of the data are left out. The label is a tooltip.
         title: Accessible title of the SVG (shown as a tooltip).
 
     Returns:
@@ -247,6 +251,13 @@ def line_chart(
             f'<text x="{WIDTH - RIGHT - 4}" y="{frame.y(y) - 4:.1f}" font-size="11" '
             f'fill="#d62728" text-anchor="end">{html.escape(label)}</text>'
         )
+    for x, label in vlines:
+        if frame.x0 <= x <= frame.x1:
+            parts.append(
+                f'<line class="event" x1="{frame.x(x):.1f}" x2="{frame.x(x):.1f}" y1="{TOP}" '
+                f'y2="{HEIGHT - BOTTOM}" stroke="{EVENT_COLOR}" stroke-dasharray="2 2">'
+                f"<title>{html.escape(label)}</title></line>"
+            )
     for line in lines:
         parts += _line_parts(frame, line)
     parts += _nonfinite_marks(frame, lines)

@@ -25,7 +25,7 @@ from typing import Any
 
 from honing.errors import UserError
 from honing.monitor.logger import METRICS_FILE
-from honing.monitor.report_charts import Chart, RunData, charts, load_run, number
+from honing.monitor.report_charts import ATTENTION, Chart, RunData, charts, load_run, number
 
 REPORT_FILE = "report.html"
 MAX_EVENT_ROWS = 300
@@ -54,8 +54,6 @@ td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 td{max-width:560px;white-space:pre-wrap;word-break:break-word}
 th{background:#f0f0f0}tr.bad td{background:#fdecea}td.mono{font-family:monospace}
 """
-# Event kinds that deserve a red badge and a highlighted row; restarts get a neutral badge.
-ATTENTION = {"stop", "stopped", "rollback", "alert", "crash", "nonfinite", "error"}
 STOP_KINDS = {"stop", "stopped"}
 RESTART_KINDS = {"restart", "restarted", "resumed"}
 

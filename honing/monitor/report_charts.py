@@ -21,7 +21,9 @@ import yaml
 
 from honing.monitor.logger import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 from honing.monitor.plots import (
+    EVENT_COLOR,
     MAX_POINTS,
+    NONFINITE_COLOR,
     PALETTE,
     Band,
     Line,
@@ -31,6 +33,9 @@ from honing.monitor.plots import (
 )
 
 HEAT_COLUMNS, HEAT_BINS = 60, 12
+MAX_MARKS = 100
+# Event kinds that deserve a red badge, a highlighted row and a mark on every chart.
+ATTENTION = {"stop", "stopped", "rollback", "alert", "crash", "nonfinite", "error"}
 TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update")
 
 
@@ -132,7 +137,18 @@ def _band(run: RunData, low: str, high: str, label: str, color: str) -> list[Ban
     return [Band(label, points, color)] if points else []
 
 
+def event_marks(run: RunData) -> list[tuple[float, str]]:
+    """``(step, "kind at step N")`` of the notable events that name a step, one per step."""
+    marks: dict[float, str] = {}
+    for event in run.events:
+        step = number(event.get("step"))
+        if event.get("kind") in ATTENTION and step is not None:
+            marks.setdefault(step, f"{event['kind']} at step {step:g}")
+    return sorted(marks.items())[:MAX_MARKS]
+
+
 def _chart(
+    run: RunData,
     title: str,
     lines: list[Line],
     bands: list[Band],
@@ -144,7 +160,12 @@ def _chart(
         return Chart(title, note=f"not logged in this run ({', '.join(wanted)})")
     legend = [(_with_last(line), line.color, 1.0) for line in lines]
     legend += [(band.label, band.color, band.opacity) for band in bands]
-    svg = line_chart(lines, bands, title=title, **options)
+    marks = event_marks(run)
+    if marks:
+        legend.append(("notable event", EVENT_COLOR, 1.0))
+    if any(value is None for line in lines for _, value in line.points):
+        legend.append(("non-finite value logged", NONFINITE_COLOR, 1.0))
+    svg = line_chart(lines, bands, title=title, vlines=marks, **options)
     longest = max(len(series.points) for series in [*lines, *bands])
     if longest > MAX_POINTS:
         per_point = math.ceil(longest / MAX_POINTS)
@@ -160,13 +181,13 @@ def _with_last(line: Line) -> str:
 
 def simple_chart(run: RunData, title: str, names: list[str], **options: Any) -> Chart:
     """A chart of the given metrics as lines (the first solid, the rest dashed)."""
-    return _chart(title, _lines(run, names), [], names, **options)
+    return _chart(run, title, _lines(run, names), [], names, **options)
 
 
 def reward_chart(run: RunData) -> Chart:
     lines = _lines(run, ["critic/score/mean"])
     bands = _band(run, "critic/score/min", "critic/score/max", "min–max", PALETTE[0])
-    return _chart("Reward (trained samples)", lines, bands, ["critic/score/mean"])
+    return _chart(run, "Reward (trained samples)", lines, bands, ["critic/score/mean"])
 
 
 def validation_chart(run: RunData) -> Chart:
@@ -174,7 +195,7 @@ def validation_chart(run: RunData) -> Chart:
     names = [n for n in names if n == "val/accuracy" or re.match(r"val/(pass|mean)@", n)]
     names.sort(key=lambda n: (n != "val/accuracy", n))
     wanted = ["val/accuracy", "val/pass@k"]
-    return _chart("Validation accuracy", _lines(run, names), [], wanted, y_floor=0.0)
+    return _chart(run, "Validation accuracy", _lines(run, names), [], wanted, y_floor=0.0)
 
 
 def length_chart(run: RunData) -> Chart:
@@ -196,7 +217,7 @@ def length_chart(run: RunData) -> Chart:
     limit = run.setting("rollout", "max_new_tokens")
     hlines = [(float(limit), f"limit {limit}")] if isinstance(limit, int) else []
     wanted = ["response_length/mean", "response_length/max"]
-    return _chart("Response length (tokens)", lines, bands, wanted, y_floor=0.0, hlines=hlines)
+    return _chart(run, "Response length (tokens)", lines, bands, wanted, y_floor=0.0, hlines=hlines)
 
 
 def length_distribution_chart(run: RunData) -> Chart:
@@ -215,7 +236,8 @@ def length_distribution_chart(run: RunData) -> Chart:
     groups = [steps[i : i + per_column] for i in range(0, len(steps), per_column)]
     high = max(length for _, length in values)
     width = max(1.0, math.ceil((high + 1) / HEAT_BINS))
-    edges = [i * width for i in range(math.ceil((high + 1) / width) + 1)]
+    # Bin i holds whole lengths i*width .. (i+1)*width - 1; edges sit half a unit below.
+    edges = [i * width - 0.5 for i in range(math.ceil((high + 1) / width) + 1)]
     columns = []
     for group in groups:
         members = set(group)
@@ -248,7 +270,7 @@ def timing_chart(run: RunData) -> Chart:
     lines = _lines(run, ["timing_s/step"])
     wanted = [f"timing_s/{part}" for part in TIMING_PARTS[:3]] + ["timing_s/step"]
     caption = "stacked: seconds per stage; line: the whole step"
-    return _chart("Time per step", lines, bands, wanted, caption, y_floor=0.0)
+    return _chart(run, "Time per step", lines, bands, wanted, caption, y_floor=0.0)
 
 
 def charts(run: RunData) -> list[Chart]:
