@@ -74,8 +74,14 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _actions(event: dict[str, Any]) -> list[Any]:
+    """An alert's actions: ``"actions": [...]`` (honing's alerts) or one ``"action"``."""
+    actions = event.get("actions", [event["action"]] if "action" in event else [])
+    return actions if isinstance(actions, list) else [actions]
+
+
 def _is_attention(event: dict[str, Any]) -> bool:
-    return event.get("kind") in ATTENTION or event.get("action") in ATTENTION
+    return event.get("kind") in ATTENTION
 
 
 def _first_last(run: RunData, name: str) -> str:
@@ -107,7 +113,7 @@ def _status_badges(run: RunData, last_step: int | None, total: Any) -> list[str]
             by_kind.setdefault(str(kind), []).append(event)
     badges = [_progress_badge(run, last_step, total)]
     for kind, events in sorted(by_kind.items()):
-        actions = sorted({str(e["action"]) for e in events if e.get("action")})
+        actions = sorted({str(action) for e in events for action in _actions(e)})
         label = f"{kind} ×{len(events)}" + (f" ({', '.join(actions)})" if actions else "")
         step = events[-1].get("step")
         label += f", last at step {step}" if step is not None else ""

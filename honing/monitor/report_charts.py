@@ -35,7 +35,7 @@ from honing.monitor.plots import (
 HEAT_COLUMNS, HEAT_BINS = 60, 12
 MAX_MARKS = 100
 # Event kinds that deserve a red badge, a highlighted row and a mark on every chart.
-ATTENTION = {"stop", "stopped", "rollback", "alert", "crash", "nonfinite", "error"}
+ATTENTION = {"alert", "rollback", "rollback_refused", "stop", "stopped", "crash", "webhook_failed"}
 TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update")
 
 

@@ -124,7 +124,8 @@ def run_dir(tmp_path):
     write_jsonl(
         run / "events.jsonl",
         [
-            {"time": 1_700_000_010.0, "kind": "alert", "rule": "entropy < 0.2", "step": 6},
+            {"time": 1_700_000_010.0, "kind": "alert", "rule": "entropy < 0.2", "step": 6}
+            | {"actions": ["rollback"]},
             {"time": 1_700_000_011.0, "kind": "rollback", "step": 6, "to_step": 4},
         ],
     )
@@ -163,6 +164,8 @@ def test_events_become_rows_and_badges(run_dir):
     assert 'rule="entropy < 0.2"' in event_rows[0][2]
     html = path.read_text(encoding="utf-8")
     assert "rollback ×1, last at step 6" in html
+    assert "alert ×1 (rollback), last at step 6" in html
+    assert html.count('class="event"') == 11  # the step-6 mark on every line chart
 
 
 def test_missing_metrics_get_a_note_not_a_chart(run_dir):
