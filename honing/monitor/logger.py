@@ -152,6 +152,8 @@ class RunLogger:
     def log_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
         """Records value distributions of one step, e.g. rewards and response lengths.
 
+        Call it before the step's ``log_metrics``, which flushes what it wrote.
+
         Passes the values to every sink with a ``write_histograms`` method (TensorBoard,
         W&B); other sinks ignore histograms. For percentiles in ``metrics.jsonl``, add
         ``distribution_metrics`` to the step's metrics.
