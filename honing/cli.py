@@ -3,6 +3,7 @@
     honing train [CONFIG.yaml] [section.key=value ...] [--output-dir DIR] [--resume auto|never|PATH]
     honing serve verifier [--host H] [--port P] [--workers N] [--token T] [...]
     honing serve reward-model --model PATH [--host H] [--port P] [--token T] [...]
+    honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
 
 A ``UserError`` (bad config, data or input) prints one line and exits with status 2; nothing is
 written to the run directory before the config, the data and the model have loaded.
@@ -36,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (newest complete checkpoint in the run directory), never, "
         "or a checkpoint directory",
+    )
+    doctor = commands.add_parser(
+        "doctor", help="check every configured part and run one step (nothing is written)"
+    )
+    doctor.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    doctor.add_argument(
+        "--output-dir", type=Path, default=Path("runs"), help="where checkpoints would go"
     )
     _add_serve(commands)
     return parser
@@ -168,18 +176,31 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_doctor(ns: argparse.Namespace) -> int:
+    from honing.config import resolve_config
+    from honing.pipeline.doctor import format_checks, run_doctor
+
+    config_path, overrides = _split_args(ns.args)
+    config = resolve_config(config_path, overrides)
+    checks = run_doctor(config, ns.output_dir)
+    print(format_checks(checks))
+    return 1 if any(c.status == "failed" for c in checks) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = _parser()
     # Overrides may come after the options too: `train cfg.yaml --output-dir d key=value`.
     ns, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and ns.command != "train"):
+    if unknown or (extra and ns.command not in ("train", "doctor")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     try:
         if ns.command == "serve":
             return run_serve(ns)
         ns.args = ns.args + extra
+        if ns.command == "doctor":
+            return run_doctor(ns)
         return run_train(ns)
     except UserError as err:
         print(f"honing: error: {err}", file=sys.stderr)
