@@ -149,6 +149,8 @@ def test_every_chart_drawn_from_hand_made_metrics(run_dir):
     assert "0.25 (step 0) → 0.75 (step 10)" in html  # val/accuracy first → last
     assert "10 of 10" in html and "finished" in html
     assert "limit 32" in html  # rollout.max_new_tokens drawn on the length chart
+    # Self-contained: nothing to fetch, nothing to run.
+    assert not any(word in html for word in ("<script", "src=", "href=", "@import", "url("))
     # One logged sample per step, of s characters at step s: one full-strength cell per step.
     heat = html.split("<h3>Response length distribution")[1].split("</section>")[0]
     assert heat.count("<rect") == 10 and heat.count('fill-opacity="1.00"') == 10
