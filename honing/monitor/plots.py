@@ -244,6 +244,19 @@ def line_chart(
             f'<path class="data band" d="{_area(frame, merged)}" fill="{band.color}" '
             f'fill-opacity="{band.opacity}" stroke="none" />'
         )
+    parts += _reference_lines(frame, hlines, vlines)
+    for line in lines:
+        parts += _line_parts(frame, line)
+    parts += _nonfinite_marks(frame, lines)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _reference_lines(
+    frame: _Frame, hlines: Sequence[tuple[float, str]], vlines: Sequence[tuple[float, str]]
+) -> list[str]:
+    """Labelled horizontal limits and vertical event marks (a tooltip each)."""
+    parts = []
     for y, label in hlines:
         parts.append(
             f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{frame.y(y):.1f}" y2="{frame.y(y):.1f}" '
@@ -258,11 +271,7 @@ def line_chart(
                 f'y2="{HEIGHT - BOTTOM}" stroke="{EVENT_COLOR}" stroke-dasharray="2 2">'
                 f"<title>{html.escape(label)}</title></line>"
             )
-    for line in lines:
-        parts += _line_parts(frame, line)
-    parts += _nonfinite_marks(frame, lines)
-    parts.append("</svg>")
-    return "".join(parts)
+    return parts
 
 
 def _merge_band(points: Sequence[tuple[float, float, float]]) -> list[tuple]:
