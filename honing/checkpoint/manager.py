@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from honing.checkpoint.disk import FULL_BELOW, free_bytes, is_write_failure, says_no_space
 from honing.checkpoint.manifest import verify, write_manifest
 from honing.checkpoint.mirror import Mirror
 from honing.errors import UserError
@@ -44,21 +45,6 @@ EventSink = Callable[..., None]
 
 class CheckpointSaveError(OSError):
     """A checkpoint could not be written (usually a full disk); earlier ones are intact."""
-
-
-def _is_write_failure(err: Exception) -> bool:
-    """OSError, or the RuntimeError torch.save raises when its writer hits a full disk."""
-    text = str(err).lower()
-    return isinstance(err, OSError) or (
-        isinstance(err, RuntimeError) and ("writ" in text or "space" in text)
-    )
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -168,16 +154,25 @@ class CheckpointManager:
         try:
             final = self._write(step, write, manifest_from_writer=False)
         except Exception as err:
-            if not _is_write_failure(err):
+            if not is_write_failure(err):
                 raise
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
-            free = _free_bytes(self.root)
+            free = free_bytes(self.root)
+            # Free space is read after the partial checkpoint was removed, so it can look ample.
+            full = says_no_space(err) or (free is not None and free < FULL_BELOW)
             self._event(
-                "checkpoint_failed", step=step, root=str(self.root), reason=reason, free_bytes=free
+                "checkpoint_failed",
+                step=step,
+                root=str(self.root),
+                disk_full=full,
+                free_bytes=free,
+                reason=reason,
             )
+            free_text = "unknown" if free is None else f"{free / (1 << 20):.1f} MiB"
             raise CheckpointSaveError(
-                f"could not save the checkpoint of step {step} under {self.root} ({reason}; "
-                f"{'unknown' if free is None else free // (1 << 20)} MiB free there)"
+                f"could not save the checkpoint of step {step} under {self.root}: "
+                f"{'the disk is full' if full else 'the write failed'} ({free_text} free there; "
+                f"{reason})"
             ) from err
         self._prune(protect=step)
         if self.mirror is not None and step % self.mirror_every == 0:

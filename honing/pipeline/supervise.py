@@ -54,7 +54,7 @@ def _option(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
-def _without(argv: Sequence[str], name: str) -> list[str]:
+def without_option(argv: Sequence[str], name: str) -> list[str]:
     """``argv`` with every ``--name VALUE`` / ``--name=VALUE`` removed."""
     out, skip = [], False
     for item in argv:
@@ -129,7 +129,7 @@ def supervise(
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     args, run_dir = fixed_output_dir(argv)
-    restart_args = [*_without(args, "--resume"), "--resume", "auto"]
+    restart_args = [*without_option(args, "--resume"), "--resume", "auto"]
     child: subprocess.Popen | None = None
     stopping = False
 

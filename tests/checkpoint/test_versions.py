@@ -2,8 +2,13 @@
 
 import json
 
+import torch
+from safetensors.torch import load_file
+
 from honing.checkpoint import CheckpointManager
 from honing.checkpoint.versions import format_checkpoints, list_checkpoints
+from honing.pipeline.run import train
+from tests.pipeline._configs import small_run_config
 
 
 def write(payload: bytes):
@@ -72,3 +77,28 @@ def test_table_marks_the_last_good_one_and_says_what_is_wrong(tmp_path):
 def test_no_checkpoints(tmp_path):
     assert list_checkpoints(tmp_path) == []
     assert format_checkpoints([]) == "no checkpoints"
+
+
+def test_a_real_run_lists_its_versions_and_resumes_from_any(
+    micro_model_dir, digit_reward, tmp_path
+):
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{"trainer.total_steps": 3, "checkpoint.every": 1, "checkpoint.keep": 3},
+    )
+    train(config, tmp_path / "run", log=lambda message: None)
+    rows = list_checkpoints(tmp_path / "run")
+    assert [(r["step"], r["ok"], r["last_good"]) for r in rows] == [
+        (1, True, False),
+        (2, True, False),
+        (3, True, True),
+    ]
+    assert all(r["critic/score/mean"] is not None for r in rows)
+    assert rows[0]["val/accuracy"] is not None and rows[0]["val_step"] == 0
+
+    # --resume PATH from the first version redoes steps 2 and 3 exactly.
+    final = load_file(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors")
+    train(config, tmp_path / "run", resume=rows[0]["path"], log=lambda message: None)
+    again = load_file(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors")
+    assert all(torch.equal(final[name], again[name]) for name in final)
