@@ -29,6 +29,7 @@ echo "$@" >> "$CALLS_FILE"
 n=$(wc -l < "$CALLS_FILE")
 status=$(sed -n "${n}p" "$STATUSES_FILE")
 if [ "$status" = "KILL" ]; then kill -9 $$; fi
+if [ "$status" = "SLEEP" ]; then exec sleep 30; fi
 exit "$status"
 """
 
@@ -41,11 +42,16 @@ def fake_python(tmp_path, monkeypatch):
     monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
     monkeypatch.setenv("STATUSES_FILE", str(tmp_path / "statuses"))
 
-    def run(statuses, max_restarts, argv=("--output-dir", str(tmp_path / "run"))):
+    def run(statuses, max_restarts, argv=("--output-dir", str(tmp_path / "run")), on_start=None):
         (tmp_path / "statuses").write_text("\n".join(statuses) + "\n")
         lines = []
         status = supervise(
-            list(argv), max_restarts, lines.append, restart_delay_s=0, python=str(script)
+            list(argv),
+            max_restarts,
+            lines.append,
+            restart_delay_s=0,
+            python=str(script),
+            on_start=on_start,
         )
         calls = (tmp_path / "calls").read_text().splitlines()
         return status, calls, lines
@@ -93,6 +99,17 @@ def test_user_error_alert_stop_and_ctrl_c_are_not_restarted(fake_python, tmp_pat
     status, calls, lines = fake_python([final, "0"], max_restarts=3)
     assert status == int(final) and len(calls) == 1 and lines == []
     assert read_events(tmp_path / "run") == []
+
+
+def test_sigterm_to_the_supervisor_stops_the_child_without_a_restart(fake_python, tmp_path):
+    def terminate_supervisor(pid):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    started = time.monotonic()
+    status, calls, lines = fake_python(["SLEEP", "0"], 3, on_start=terminate_supervisor)
+    assert status == 128 + signal.SIGTERM and len(calls) == 1 and lines == []
+    assert time.monotonic() - started < 10  # the child's 30 s sleep was cut short
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
 
 
 def test_a_given_resume_is_replaced_by_auto_on_restart(fake_python, tmp_path):
