@@ -4,6 +4,7 @@
     honing serve verifier [--host H] [--port P] [--workers N] [--token T] [...]
     honing serve reward-model --model PATH [--host H] [--port P] [--token T] [...]
     honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
+    honing report RUN_DIR
 
 A ``UserError`` (bad config, data or input) prints one line and exits with status 2; nothing is
 written to the run directory before the config, the data and the model have loaded.
@@ -45,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--output-dir", type=Path, default=Path("runs"), help="where checkpoints would go"
     )
+    report = commands.add_parser(
+        "report", help="write RUN_DIR/report.html: charts of the run's signals and its event log"
+    )
+    report.add_argument("run_dir", help="the --output-dir of a 'honing train' run")
     _add_serve(commands)
     return parser
 
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             return run_serve(ns)
+        if ns.command == "report":
+            from honing.monitor.report import report_main
+
+            return report_main(ns.run_dir)
         ns.args = ns.args + extra
         if ns.command == "doctor":
             return run_doctor(ns)

@@ -167,6 +167,14 @@ class MonitorConfig:
     console: bool = _opt(True)
     tensorboard: bool = _opt(True)
     log_samples: int = _opt(4, ge=0)  # generations per step written to samples.jsonl
+    histograms: bool = _opt(True)  # reward and response-length histograms to TensorBoard / W&B
+    system_metrics: bool = _opt(True)  # system/cpu_percent, system/rss_mb, system/gpu_mem_mb
+    prometheus_port: int = _opt(0, ge=0, le=65535)  # 0 = off; else serve /metrics on it
+    prometheus_host: str = _opt("127.0.0.1")  # interface the Prometheus endpoint binds
+    wandb_project: str = _opt("")  # set = log to Weights & Biases (pip install wandb)
+    wandb_entity: str = _opt("")  # W&B team or user; empty = the account's default
+    mlflow_tracking_uri: str = _opt("")  # set = log to MLflow (pip install mlflow)
+    mlflow_experiment: str = _opt("honing")  # MLflow experiment name
     # Alert rules, "CONDITION [for N steps] -> ACTION[, ...]" (honing/monitor/alerts.py):
     # too many non-finite updates in a row roll the run back to its last good checkpoint.
     alerts: list = _opt(["actor/skipped_updates > 0 for 3 steps -> rollback"], items=str)

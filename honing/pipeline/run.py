@@ -154,11 +154,11 @@ def _train(
     for leftover in checkpoints.cleanup_incomplete():
         log(f"removed an incomplete checkpoint left by a crash: {leftover}")
     abandoned = _set_aside_newer(checkpoints, start, log)
-    with RunLogger(
+    with RunLogger.from_config(
         run_dir,
+        config.monitor,
         total_steps=config.trainer.total_steps,
-        tensorboard=config.monitor.tensorboard,
-        console=config.monitor.console,
+        params=to_dict(config),
     ) as logger:
         events.attach(logger.log_event)
         if _holds_run(run_dir, checkpoints) or abandoned:

@@ -20,6 +20,8 @@ from honing.checkpoint import CheckpointManager
 from honing.config import Config
 from honing.errors import RunStopped
 from honing.monitor import RunLogger
+from honing.monitor.logger import distribution_metrics
+from honing.monitor.system import system_metrics
 from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
 from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
@@ -179,6 +181,15 @@ class SyncLoop:
             "perf/throughput": tokens / (t_end - t0),
         }
         self._log_samples(step, got.rollouts, got.scores)
+        rewards = [s.reward for _, s in got.kept]
+        lengths = [len(r.response_ids) for r in got.rollouts]
+        dist = distribution_metrics("response_length", lengths)
+        dist |= distribution_metrics("critic/score", rewards)
+        metrics = dist | metrics  # the loop's own min/max/mean stay as they are
+        if cfg.monitor.histograms:
+            self.logger.log_histograms(step, {"critic/score": rewards, "response_length": lengths})
+        if cfg.monitor.system_metrics:
+            metrics |= system_metrics()
         return metrics
 
     @staticmethod
@@ -277,6 +288,7 @@ class SyncLoop:
                     "response": rollouts[i].text,
                     "reward": scores[i].reward,
                     "finish_reason": rollouts[i].finish_reason,
+                    "response_length": len(rollouts[i].response_ids),
                     **{
                         k: v
                         for k, v in scores[i].details.items()
