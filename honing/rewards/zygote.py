@@ -32,6 +32,11 @@ What consecutive programs of one worker share, and why that is safe:
   ``none`` as root only the run uid's entries at the top of the host's ``/tmp``, ``/var/tmp``,
   ``/dev/shm`` are removed (files it put elsewhere world-writable stay, unreadable to the next
   run's uid if their mode says so); as non-root nothing outside the run directory is cleaned.
+- IPC objects and keys, which outlive processes: SysV shared memory, message queues and
+  semaphore sets are removed after each run (namespaced: all in the private IPC namespace;
+  ``none`` as root: the run uid's), POSIX message queues cannot be made (RLIMIT_MSGQUEUE 0),
+  and the uid's user keyrings are cleared (namespaced; a fresh uid per run has its own).
+  Not cleaned for ``none`` as non-root (they would be the host user's own).
 - The uid (bwrap/unshare): every run of a worker has the sandbox's uid (one fresh uid per
   zygote when root); harmless since nothing of the previous run is left to signal or trace.
 - Kernel state outside the namespaces (e.g. page cache, CPU caches) is shared, as between any
