@@ -46,33 +46,56 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class Killer:
-    """The supervisor's ``on_start``: schedules one SIGKILL per start, until ``kills`` ran."""
+    """The supervisor's ``on_start``: schedules one SIGKILL per start, until ``kills`` ran.
+
+    Kills alternate between two kinds of moment, so that both are certain to be hit: a random
+    point of a step's interval (most often generation or the update), and the middle of a
+    checkpoint save (as soon as a ``.tmp-step_*`` directory appears, plus up to 5 ms).
+    """
 
     def __init__(self, run_dir: Path, targets: list[int], step_s: float, rng: random.Random):
         self.run_dir, self.targets, self.step_s, self.rng = run_dir, list(targets), step_s, rng
+        self.scheduled = 0  # counted at once: the next start can come before a kill is logged
         self.done: list[dict] = []
 
     def __call__(self, pid: int) -> None:
-        if len(self.done) < len(self.targets):
-            target = self.targets[len(self.done)]
-            pause = self.rng.uniform(0, self.step_s)
-            threading.Thread(target=self._kill, args=(pid, target, pause), daemon=True).start()
+        if self.scheduled < len(self.targets):
+            target = self.targets[self.scheduled]
+            during_save = self.scheduled % 2 == 1
+            self.scheduled += 1
+            pause = self.rng.uniform(0, 0.005 if during_save else self.step_s)
+            threading.Thread(
+                target=self._kill, args=(pid, target, pause, during_save), daemon=True
+            ).start()
 
-    def _kill(self, pid: int, target: int, pause: float) -> None:
+    def _saving(self) -> list[str]:
+        root = self.run_dir / "checkpoints"
+        names = os.listdir(root) if root.is_dir() else []
+        return [name for name in names if name.startswith(".tmp-step_")]
+
+    def _kill(self, pid: int, target: int, pause: float, during_save: bool) -> None:
         started = time.time()
         metrics = self.run_dir / "metrics.jsonl"
         while not any(m["step"] >= target - 1 for m in read_jsonl(metrics) if m["time"] >= started):
             if not alive(pid):
                 return  # finished or crashed before the target step
             time.sleep(0.02)
+        if during_save:
+            while not self._saving():
+                if not alive(pid):
+                    return
+                time.sleep(0.001)
         time.sleep(pause)
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)  # gone; the restarted child takes seconds to start
             self.done.append(
                 {
-                    "during_step": target,
-                    "pause_s": round(pause, 3),
-                    "after_start_s": round(time.time() - started, 2),
+                    "during_step": target - 1 if during_save else target,
+                    "moment": "checkpoint save" if during_save else "random",
+                    "pause_s": round(pause, 4),
+                    "after_start_s": round(time.time() - 0.2 - started, 2),
+                    "partial_checkpoints_left": self._saving(),
                 }
             )
 
@@ -207,7 +230,9 @@ def main() -> None:
 
 def markdown(r: dict) -> str:
     kills = "\n".join(
-        f"| {k['during_step']} | {k['pause_s']} | {k['after_start_s']} |" for k in r["kills"]
+        f"| {k['during_step']} | {k['moment']} | {k['pause_s']} | {k['after_start_s']} | "
+        f"{', '.join(k['partial_checkpoints_left']) or '-'} |"
+        for k in r["kills"]
     )
     resumed = ", ".join(Path(p).name if p else "scratch" for p in r["resumed_from"])
     return f"""# Fault injection: SIGKILL at random moments under the supervisor
@@ -232,10 +257,12 @@ def markdown(r: dict) -> str:
 | manifest at save (sha256 of every file) | {1000 * r["manifest_s"]:.1f} ms |
 | verification at resume | {1000 * r["verify_s"]:.1f} ms |
 
-Kill moments (a random pause after the step before was logged):
+Kill moments: "random" is a random pause after the step before was logged; "checkpoint save"
+is up to 5 ms after the save's temporary directory appeared. A partial checkpoint left by a
+kill is never loaded: the restarted run removes it and resumes from the newest verified one.
 
-| during step | pause (s) | after child start (s) |
-|---|---|---|
+| during step | moment | pause (s) | after child start (s) | partial checkpoint left |
+|---|---|---|---|---|
 {kills}
 """
 
