@@ -1,6 +1,8 @@
 """The ``honing`` command.
 
     honing train [CONFIG.yaml] [section.key=value ...] [--output-dir DIR] [--resume auto|never|PATH]
+                 [--max-restarts N]
+    honing checkpoints RUN_DIR
     honing serve verifier [--host H] [--port P] [--workers N] [--token T] [...]
     honing serve reward-model --model PATH [--host H] [--port P] [--token T] [...]
     honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
@@ -39,6 +41,17 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (newest complete checkpoint in the run directory), never, "
         "or a checkpoint directory",
     )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="run training as a child process and restart it from the newest checkpoint "
+        "after a crash, up to N times",
+    )
+    versions = commands.add_parser(
+        "checkpoints", help="list a run's saved checkpoints with their metrics and health"
+    )
+    versions.add_argument("run_dir", help="the --output-dir of a 'honing train' run")
     doctor = commands.add_parser(
         "doctor", help="check every configured part and run one step (nothing is written)"
     )
@@ -192,6 +205,19 @@ def run_doctor(ns: argparse.Namespace) -> int:
     return 1 if any(c.status == "failed" for c in checks) else 0
 
 
+def _supervised(argv: list[str] | None, max_restarts: int) -> int:
+    """``honing train ... --max-restarts N``: the same command as a supervised child."""
+    from honing.pipeline.supervise import supervise, without_option
+
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {max_restarts}")
+    raw = list(argv if argv is not None else sys.argv[1:])
+    args = without_option(raw[raw.index("train") + 1 :], "--max-restarts")
+    return supervise(
+        args, max_restarts, log=lambda message: print(f"honing: {message}", file=sys.stderr)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = _parser()
@@ -203,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             return run_serve(ns)
+        if ns.command == "checkpoints":
+            from honing.checkpoint.versions import format_checkpoints, list_checkpoints
+
+            if not Path(ns.run_dir).is_dir():
+                raise UserError(f"{ns.run_dir}: no such run directory")
+            print(format_checkpoints(list_checkpoints(ns.run_dir)))
+            return 0
+        if ns.command == "train" and ns.max_restarts:
+            return _supervised(argv, ns.max_restarts)
         if ns.command == "report":
             from honing.monitor.report import report_main
 

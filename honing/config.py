@@ -160,6 +160,8 @@ class CheckpointConfig:
     every: int = _opt(50, ge=0)  # 0 = only at the end
     keep: int = _opt(2, ge=1)
     save_optimizer: bool = _opt(True)
+    mirror_url: str = _opt("")  # fsspec URL or path for a second copy; "" = off
+    mirror_every: int = _opt(1, ge=1)  # mirror every N-th checkpoint (an archive tier)
 
 
 @dataclass(frozen=True)

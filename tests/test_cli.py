@@ -178,3 +178,36 @@ def test_serve_verifier_bad_route_is_one_line(tmp_path):
 def test_serve_verifier_unknown_function_is_one_line(tmp_path):
     line = error_line(run_serve(tmp_path, "verifier", "--function", "nope_fn"))
     assert "unknown reward function 'nope_fn'" in line
+
+
+def test_max_restarts_runs_training_as_a_supervised_child(tmp_path, micro_model_dir, digit_reward):
+    out = tmp_path / "run"
+    result = run_train(
+        tmp_path,
+        f"model.path={micro_model_dir}",
+        f"reward.function={digit_reward}",
+        "trainer.total_steps=2",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=2",
+        "trainer.val_every=0",
+        "data.val_size=2",
+        "monitor.console=false",
+        "--max-restarts",
+        "2",
+        "--output-dir",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert "restart" not in [json.loads(line)["kind"] for line in (out / "events.jsonl").open()]
+
+
+def test_checkpoints_of_a_missing_run_is_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "honing.cli", "checkpoints", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "no such run directory" in error_line(result)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -80,22 +81,24 @@ class SyncLoop:
         rule = decision.firing.rule.text
         target = None
         if decision.action == "rollback":
-            good = [s for s in self.checkpoints.complete_steps() if s <= decision.firing.good_step]
+            good = self.checkpoints.latest_good(at_most=decision.firing.good_step)
             if alerting.rollbacks >= self.config.monitor.max_rollbacks:
                 reason = f"monitor.max_rollbacks={self.config.monitor.max_rollbacks} reached"
-            elif not good:
-                reason = f"no checkpoint at or before step {decision.firing.good_step}"
+            elif good is None:
+                reason = f"no good checkpoint at or before step {decision.firing.good_step}"
             else:
-                target = good[-1]
+                target = good
             if target is None:
                 self.logger.log_event("rollback_refused", step=step, rule=rule, reason=reason)
         if target is None:
-            path = save_training_state(self.checkpoints, self.parts, self.config, step)
+            path = save_training_state(
+                self.checkpoints, self.parts, self.config, step, required=True
+            )
             self.logger.log_event("stopped", step=step, rule=rule, checkpoint=str(path))
             raise RunStopped(f"stopped by alert {rule!r} at step {step}; checkpoint {path}")
         alerting.rollbacks += 1
         changes = decision.firing.rule.rollback
-        self._rollback_to(target, changes)
+        target = self._rollback_to(target, changes)
         alerting.engine.reset()
         abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
         dropped = self.logger.truncate_after(target)
@@ -111,11 +114,11 @@ class SyncLoop:
         )
         return target
 
-    def _rollback_to(self, step: int, changes: dict[str, float]) -> None:
-        """Reload the checkpoint of ``step`` and apply the rollback's changes on top (the
-        learning-rate scale accumulates over rollbacks)."""
+    def _rollback_to(self, checkpoint: Path, changes: dict[str, float]) -> int:
+        """Reload ``checkpoint`` and apply the rollback's changes on top (the learning-rate
+        scale accumulates over rollbacks); returns the checkpoint's step."""
         parts = self.parts
-        load_training_state(parts, self.checkpoints.path_for(step))
+        step = load_training_state(parts, checkpoint)
         self.lr_scale *= changes.get("lr_scale", 1.0)
         scheduler = parts.scheduler
         scheduler.base_lrs = [lr * self.lr_scale for lr in scheduler.base_lrs]
@@ -129,6 +132,7 @@ class SyncLoop:
             parts.kl_controller.value = changes["kl_coef"]
             if not self.config.algorithm.kl_in_reward:
                 parts.update = replace(parts.update, kl_coef=changes["kl_coef"])
+        return step
 
     def _validate(self) -> dict[str, float]:
         parts = self.parts

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from honing.checkpoint import CheckpointManager
+from honing.checkpoint.manifest import write_manifest
 from honing.cli import main
 from honing.errors import ConfigError, DataError, UserError
 from honing.pipeline.components import build_components
@@ -119,6 +120,7 @@ def test_resume_from_another_models_checkpoint(tmp_path, micro_model_dir, digit_
     weights = load_file(ckpt / "model.safetensors")
     weights = {k: v[..., :8].contiguous() if v.dim() == 2 else v for k, v in weights.items()}
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    write_manifest(ckpt)  # a genuine checkpoint of another model, not a damaged one
     status = main(
         [
             "train",
