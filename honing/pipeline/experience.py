@@ -94,7 +94,11 @@ def make_experience(
     advantages, returns = _advantages(
         config, scores, token_rewards, batch, rollouts, old_values, baseline_scores
     )
-    metrics["critic/advantages/mean"] = float(advantages.sum() / mask.sum())
+    adv_mean = advantages.sum() / mask.sum()
+    metrics["critic/advantages/mean"] = float(adv_mean)
+    metrics["critic/advantages/var"] = float(
+        ((advantages - adv_mean) ** 2 * mask).sum() / mask.sum()
+    )
     truncated = 0
     if algo.mask_truncated:
         # DAPO's overlong filtering: a cut-off answer counts in its group's baseline but

@@ -275,6 +275,7 @@ class SyncLoop:
                 "critic/score/mean": statistics.fmean(rewards),
                 "critic/score/max": max(rewards),
                 "critic/score/min": min(rewards),
+                "critic/score/std": statistics.pstdev(rewards),
             }
         return metrics
 

@@ -47,6 +47,7 @@ def test_runs_and_stays_finite(tmp_path, micro_model_dir, digit_reward, advantag
     for m in trained:
         for key in ("actor/pg_loss", "actor/grad_norm", "critic/advantages/mean"):
             assert m[key] is not None and math.isfinite(m[key]), (key, m)
+        assert m["critic/advantages/var"] >= 0 and m["critic/score/std"] >= 0
 
 
 def test_remax_baseline_is_the_greedy_answers_score(tmp_path, micro_model_dir, digit_reward):
