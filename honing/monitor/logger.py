@@ -15,6 +15,7 @@ run is about to redo, so no step appears twice.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -101,6 +102,7 @@ class RunLogger:
         self._metrics = JsonlSink(self.run_dir / METRICS_FILE)
         self._samples = JsonlSink(self.run_dir / SAMPLES_FILE)
         self._events = JsonlSink(self.run_dir / EVENTS_FILE)
+        self._event_lock = threading.Lock()
         optional: list[MetricSink] = []
         if tensorboard:
             optional.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
@@ -178,13 +180,17 @@ class RunLogger:
         Args:
             kind: What happened, e.g. ``"alert"``, ``"restart"``, ``"skipped_step"``.
             **fields: Details; any JSON-able values (non-finite floats become null).
+
+        Safe to call from other threads (the alert watchdog, webhook failures): one event is
+        written whole before the next.
         """
-        self._events.append([{"time": time.time(), "kind": kind, **fields}])
         details = " ".join(f"{key}={value}" for key, value in fields.items())
-        for sink in self.sinks:
-            note = getattr(sink, "note", None)
-            if note is not None:
-                note(f"[{kind}] {details}".rstrip())
+        with self._event_lock:
+            self._events.append([{"time": time.time(), "kind": kind, **fields}])
+            for sink in self.sinks:
+                note = getattr(sink, "note", None)
+                if note is not None:
+                    note(f"[{kind}] {details}".rstrip())
 
     def truncate_after(self, step: int) -> dict[str, int]:
         """Forgets logged steps after ``step``, before a resumed run redoes them.
