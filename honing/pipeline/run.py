@@ -20,6 +20,7 @@ from honing.checkpoint import CheckpointManager
 from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.monitor import RunLogger
+from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.state import CONFIG_FILE, load_training_state
 from honing.pipeline.sync import SyncLoop
@@ -60,18 +61,16 @@ def config_changes(checkpoint: Path, config: Config) -> list[str]:
     return sorted(k for k in now if k in before and before[k] != now[k])
 
 
-def _set_aside_newer(checkpoints: CheckpointManager, start: int, log) -> list[str]:
-    """Checkpoints past the resume point belong to an abandoned future: keep them, but out of
-    reach of ``--resume auto``, under ``checkpoints/abandoned-<time>/``."""
-    newer = [s for s in checkpoints.complete_steps() if s > start]
-    if not newer:
-        return []
-    shelf = checkpoints.root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
-    shelf.mkdir(parents=True, exist_ok=True)
-    for step in newer:
-        os.replace(checkpoints.path_for(step), shelf / f"step_{step}")
-    log(f"moved checkpoints of steps {newer} (after the resume point) to {shelf}")
-    return [str(shelf / f"step_{s}") for s in newer]
+def checkpoint_manager(config: Config, run_dir: Path, on_event=None) -> CheckpointManager:
+    """The run's checkpoint manager: ``RUN_DIR/checkpoints``, plus the mirror if configured."""
+    settings = config.checkpoint
+    return CheckpointManager(
+        run_dir / "checkpoints",
+        keep=settings.keep,
+        mirror_url=settings.mirror_url,
+        mirror_every=settings.mirror_every,
+        on_event=on_event,
+    )
 
 
 class EventBuffer:
@@ -97,18 +96,6 @@ class EventBuffer:
         for kind, fields in self.pending:
             sink(kind, **fields)
         self.pending.clear()
-
-
-def checkpoint_manager(config: Config, run_dir: Path, on_event=None) -> CheckpointManager:
-    """The run's checkpoint manager: ``RUN_DIR/checkpoints``, plus the mirror if configured."""
-    settings = config.checkpoint
-    return CheckpointManager(
-        run_dir / "checkpoints",
-        keep=settings.keep,
-        mirror_url=getattr(settings, "mirror_url", ""),
-        mirror_every=getattr(settings, "mirror_every", 1),
-        on_event=on_event,
-    )
 
 
 def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
@@ -153,7 +140,7 @@ def _train(
     write_atomic(run_dir / "config.yaml", dump_yaml(config))
     for leftover in checkpoints.cleanup_incomplete():
         log(f"removed an incomplete checkpoint left by a crash: {leftover}")
-    abandoned = _set_aside_newer(checkpoints, start, log)
+    abandoned = set_aside_newer(checkpoints, start, log)
     with RunLogger.from_config(
         run_dir,
         config.monitor,
