@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.honing-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench-setup bench
 
 setup: $(STAMP)
 
@@ -33,6 +33,30 @@ test: setup
 	$(VENV)/bin/ruff check honing tests benchmarks examples
 	$(VENV)/bin/ruff format --check honing tests benchmarks examples
 	$(PY) -m pytest
+
+# Side-by-side benchmark against TRL's GRPOTrainer (benchmarks/grpo_step.py). TRL lives in a
+# virtualenv of its own (.venv-peers) so its pins never touch honing's.
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+BENCH_ARGS ?=
+
+bench-setup: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	@if $(PEERS_PY) -c "import torch" 2>/dev/null; then \
+		echo "keeping installed torch $$($(PEERS_PY) -c 'import torch; print(torch.__version__)')"; \
+	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "no CUDA here: installing the CPU build ($(TORCH))"; \
+		$(PEERS_PY) -m pip install -q "$(TORCH)"; \
+	fi
+	$(PEERS_PY) -m pip install -q "trl==1.16.0" "transformers==5.24.0" "datasets==5.2.0"
+	touch $(PEERS_STAMP)
+
+bench: setup bench-setup
+	$(PY) -m benchmarks.grpo_step $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff format honing tests benchmarks
