@@ -101,16 +101,22 @@ def masked_whiten(
     return whitened
 
 
-def _per_sequence(fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:
-    """Applies ``fn`` to one ``[T, V]`` row at a time in float32 (or wider) and stacks.
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk in the row-wise helpers (64 MiB in float32)
 
-    One row at a time bounds the temporary ``[T, V]`` buffers (the upcast copy and the
-    ``exp`` inside ``logsumexp``) to a single sequence instead of the whole batch; the
-    upcast keeps bf16 logits from losing precision in the normaliser. As in TRL's
-    ``selective_log_softmax``.
+
+def _per_sequence(fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:
+    """Applies ``fn`` to ``[rows, T, V]`` chunks in float32 (or wider) and concatenates.
+
+    A chunk holds as many sequences as fit in ``CHUNK_ELEMENTS`` logits (at least one), which
+    bounds the temporary buffers (the upcast copy and the ``exp`` inside ``logsumexp``) with a
+    large vocabulary, as TRL's ``selective_log_softmax`` does one row at a time, without paying
+    a Python call per sequence when the vocabulary is small. The upcast keeps bf16 logits from
+    losing precision in the normaliser.
     """
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    return torch.stack([fn(row.to(compute_dtype)) for row in logits])
+    per_row = max(1, logits[0].numel()) if len(logits) else 1
+    rows = max(1, CHUNK_ELEMENTS // per_row)
+    return torch.cat([fn(chunk.to(compute_dtype)) for chunk in logits.split(rows)])
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
@@ -133,8 +139,8 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
 
 def _entropy_of_rows(logits: Tensor) -> Tensor:
     # H = -sum p log p = logsumexp(z) - sum softmax(z) * z, avoiding log(0) for tiny p.
-    probs = torch.softmax(logits, dim=-1)  # [T, V]
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [T]
+    probs = torch.softmax(logits, dim=-1)  # [rows, T, V]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [rows, T]
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
