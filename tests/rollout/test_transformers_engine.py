@@ -29,9 +29,12 @@ def model(micro_model_dir, tokenizer):
     return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
 
 
-@pytest.fixture
-def engine(model, tokenizer):
-    return TransformersEngine(model, tokenizer, device=CPU)
+@pytest.fixture(params=[True, False], ids=["fast", "hf"])
+def engine(request, model, tokenizer):
+    """Every engine test runs on both forward paths: the fast decoder and the model's own."""
+    engine = TransformersEngine(model, tokenizer, device=CPU, fast_decode=request.param)
+    assert engine.fast_decode == request.param
+    return engine
 
 
 def requests_for(tokenizer, prompts=PROMPTS) -> list[GenerationRequest]:
@@ -83,9 +86,11 @@ def test_behaviour_logprobs_follow_the_temperature(engine, model, tokenizer):
     assert not torch.allclose(torch.tensor(rollout.behaviour_logprobs), untempered, atol=1e-3)
 
 
-def test_positions_count_from_each_rows_first_real_token(engine, model, tokenizer):
+def test_positions_count_from_each_rows_first_real_token(model, tokenizer):
     # Llama's rotary embeddings only see relative positions, so the logprob tests above cannot
-    # tell an offset; models with absolute position embeddings can. Record what is passed.
+    # tell an offset; models with absolute position embeddings can. Record what is passed to
+    # the model's own forward (the fast path gets the same positions from the same loop).
+    engine = TransformersEngine(model, tokenizer, device=CPU, fast_decode=False)
     calls = []
 
     def record(module, args, kwargs):

@@ -1,0 +1,178 @@
+"""A lean inference forward for Llama-family causal LMs: prefill and one-token decode steps.
+
+Why: at the sizes RL fine-tuning runs on a small machine, a decode step of the Hugging Face
+forward spends most of its time in Python (mask creation, rotary helpers, cache bookkeeping,
+output wrappers), not in the matrix products. This module runs the same arithmetic with a
+pre-allocated KV cache, one boolean mask and
+``torch.nn.functional.scaled_dot_product_attention``, and nothing else.
+
+What is supported (``supports`` checks it and says why not otherwise): the transformers
+``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` classes (not
+``trust_remote_code`` ones) whose blocks are exactly RMSNorm -> GQA attention (plain
+``nn.Linear`` q/k/v/o with or without bias) with the default rotary embedding -> RMSNorm ->
+SiLU-gated MLP, in float32, bfloat16 or float16, with no sliding window and no rope scaling.
+Quantised or adapter-wrapped layers are not ``nn.Linear`` and so fall back.
+
+Why it is exact: every operation is the one the Hugging Face modules run, in the same order and
+dtype: RMSNorm in float32 cast back before the weight, cos/sin computed in float32 from the
+model's own ``inv_freq`` buffer and cast to the model dtype, ``rotate_half`` rotary, attention
+with scale ``head_dim ** -0.5`` over the same keys (left padding masked out), the SiLU-gated
+MLP. The weights are the module's own parameters, read at each ``prefill`` (no copy), so a
+weight update by the trainer is seen by the next generation. Results differ from the HF forward
+only by floating-point reassociation inside kernels (~1e-7 in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# transformers class name -> model_type; all three share the Llama decoder block.
+SUPPORTED_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(model: nn.Module) -> bool | str:
+    """True when ``FastDecoder`` computes exactly what ``model``'s forward does, else the reason."""
+    name, config = type(model).__name__, model.config
+    if not type(model).__module__.startswith("transformers.models."):
+        return f"{type(model).__module__}.{name} is not a transformers class"
+    if SUPPORTED_CLASSES.get(name) != getattr(config, "model_type", None):
+        return f"{name} (model_type {getattr(config, 'model_type', None)}) is not Llama-family"
+    if config.hidden_act != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rotary = model.model.rotary_emb
+    if rotary.rope_type != "default" or rotary.attention_scaling != 1.0:
+        return f"rope type {rotary.rope_type!r} is not the default"
+    if getattr(config, "sliding_window", None) is not None:
+        return f"sliding window attention ({config.sliding_window})"
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
+    if type(model.model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not nn.Linear:
+        return "the embedding or lm_head is not a plain module"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return "a projection is not nn.Linear (quantised or adapter-wrapped)"
+        if set(dict(layer.named_children())) != {
+            "self_attn",
+            "mlp",
+            "input_layernorm",
+            "post_attention_layernorm",
+        } or set(dict(attn.named_children())) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+            return "a decoder layer has modules beyond the Llama block"
+    return True
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * hidden.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastDecoder:
+    """Prefill then one-token decode steps of a supported model, with a pre-allocated KV cache.
+
+    Usage: ``logits = decoder.prefill(ids, mask, positions, max_new_tokens)`` then, per new
+    token, ``logits = decoder.step(token, positions)``; both return the last position's logits
+    ``[B, V]`` in the model dtype. Call under ``torch.no_grad()`` with the model in eval mode.
+    """
+
+    def __init__(self, model: nn.Module):
+        reason = supports(model)
+        if reason is not True:
+            raise ValueError(f"fast decoding does not apply: {reason}")
+        self.model = model
+        attn = model.model.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_new_tokens: int
+    ) -> torch.Tensor:
+        """Run the left-padded prompts ``ids`` [B, P] (``mask`` 1 on real tokens, ``positions``
+        counting from each row's first real token) and make room for ``max_new_tokens`` more."""
+        inner = self.model.model
+        self.layers = [  # the current parameters, read once per generation
+            (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+            for layer in inner.layers
+        ]
+        batch, prompt_len = ids.shape
+        weight = inner.embed_tokens.weight
+        shape = (len(self.layers), batch, self.kv_heads, prompt_len + max_new_tokens, self.head_dim)
+        self.keys = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.empty_like(self.keys)
+        self.valid = torch.ones(batch, shape[3], dtype=torch.bool, device=weight.device)  # [B, S]
+        self.valid[:, :prompt_len] = mask.bool()
+        self.length = 0
+        # A query sees earlier real keys; a padding query also sees itself, so that no row of
+        # the softmax is empty (its output is never used, but NaN would reach the cache).
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(prompt_len, dtype=torch.bool, device=ids.device)
+        attend = (causal & self.valid[:, None, None, :prompt_len]) | eye  # [B, 1, P, P]
+        return self._forward(ids, positions, attend)
+
+    def step(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append ``token`` [B] at ``positions`` [B, 1]; the logits of the next token [B, V]."""
+        attend = self.valid[:, None, None, : self.length + 1]  # [B, 1, 1, S]
+        return self._forward(token[:, None], positions, attend)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor
+    ) -> torch.Tensor:
+        inner = self.model.model
+        batch, width = ids.shape
+        start, end = self.length, self.length + width
+        x = F.embedding(ids, inner.embed_tokens.weight)  # [B, T, E]
+        cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D]
+        for index, (norm_in, attn, norm_post, mlp) in enumerate(self.layers):
+            h = _rms_norm(x, norm_in)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+            q = q.view(batch, width, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+            k = k.view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            self.keys[index, :, :, start:end] = k * cos + _rotate_half(k) * sin
+            self.values[index, :, :, start:end] = v.view(
+                batch, width, self.kv_heads, self.head_dim
+            ).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q,
+                self.keys[index, :, :, :end],  # [B, Hkv, S, D]
+                self.values[index, :, :, :end],
+                attn_mask=attend,
+                scale=self.scaling,
+                enable_gqa=self.heads != self.kv_heads,
+            )  # [B, H, T, D]
+            out = out.transpose(1, 2).reshape(batch, width, -1)
+            x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            h = _rms_norm(x, norm_post)
+            gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            x = x + F.linear(gated * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        self.length = end
+        last = _rms_norm(x[:, -1], inner.norm)  # the norm is per position: only the last
+        return F.linear(last, self.model.lm_head.weight, self.model.lm_head.bias)  # [B, V]
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin as HF's rotary embedding makes them: float32, then the model dtype."""
+        inv_freq = self.model.model.rotary_emb.inv_freq.float()
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
