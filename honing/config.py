@@ -83,6 +83,7 @@ class RolloutConfig:
     top_k: int = _opt(0, ge=0)  # 0 = off
     val_samples: int = _opt(8, ge=1)  # k of val/pass@k, sampled at `temperature`
     generation_batch: int = _opt(256, ge=1)  # sequences per generate call
+    fast_decode: bool = _opt(True)  # lean exact forward for Llama-family models while sampling
 
 
 @dataclass(frozen=True)

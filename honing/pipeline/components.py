@@ -316,7 +316,11 @@ def build_components(config: Config, log=print) -> Components:
         policy=policy,
         reference=reference,
         engine=TransformersEngine(
-            policy, tokenizer, device=device, generation_batch=rollout.generation_batch
+            policy,
+            tokenizer,
+            device=device,
+            generation_batch=rollout.generation_batch,
+            fast_decode=rollout.fast_decode,
         ),
         scorer=scorer,
         train_prompts=train,
