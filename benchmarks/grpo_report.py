@@ -80,8 +80,7 @@ def write_markdown(report: dict, path: Path) -> str:
     lines = [
         "# honing vs TRL GRPOTrainer, side by side",
         "",
-        f"Command: `{report['command']}` (under `flock /tmp/honing-heavy.lock`), "
-        f"{report['wall_s'] / 60:.1f} min in all.",
+        f"Command: `{report['command']}`, {report['wall_s'] / 60:.1f} min in all.",
         "",
         f"Machine: {machine['cpus']} CPUs, {machine['platform']}; honing: Python "
         f"{machine['python']}, torch {machine['torch']}, {report['honing_threads']} threads; "
@@ -106,6 +105,8 @@ def write_markdown(report: dict, path: Path) -> str:
         "rest: the step less those (collation, advantages, logging, TRL's tokenisation).",
         "",
         *_stage_rows(report),
+        "",
+        *[f"Not run: {name}: {why}" for name, why in report.get("not_run", {}).items()],
         "",
         "## Scaling (with a reference model)",
         "",
