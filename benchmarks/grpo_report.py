@@ -71,6 +71,14 @@ def _scaling_rows(report: dict) -> list[str]:
     return rows
 
 
+def _revisions(report: dict) -> str:
+    parts = []
+    for w in report["workloads"]:
+        found = sorted({r.get("revision", "unrecorded") for r in w["runs"]["honing"]})
+        parts.append(f"{w['workload']['name']} {'/'.join(found)}")
+    return ", ".join(parts)
+
+
 def write_markdown(report: dict, path: Path) -> str:
     """Writes the report's tables to ``path`` and returns the text."""
     first = report["workloads"][0]
@@ -97,6 +105,8 @@ def write_markdown(report: dict, path: Path) -> str:
         "## Results",
         "",
         *_results_rows(report),
+        "",
+        "honing revisions measured: " + _revisions(report) + ".",
         "",
         "## Where the time goes (median seconds per step)",
         "",

@@ -191,6 +191,7 @@ def honing_overrides(work: Workload, model_dir: Path, data: dict, threads: int) 
 def run_honing(work: Workload, model_dir: Path, data: dict, run_dir: Path, threads: int) -> dict:
     """One honing run of ``work`` in ``run_dir / "honing"``."""
     out_dir = run_dir / "honing"
+    code = revision()  # taken before the child imports honing
     command = [sys.executable, "-m", "honing.cli", "train"]
     command += honing_overrides(work, model_dir, data, threads)
     command += ["--output-dir", str(out_dir), "--resume", "never"]
@@ -211,8 +212,19 @@ def run_honing(work: Workload, model_dir: Path, data: dict, run_dir: Path, threa
         stages.append(stage)
         lengths.append(record["response_length/mean"])
     summary = _summarise(steps, stages, lengths)
-    summary |= {"peak_rss_mb": rss, "wall_s": wall, "threads": threads}
+    summary |= {"peak_rss_mb": rss, "wall_s": wall, "threads": threads, "revision": code}
     return summary
+
+
+def revision() -> str:
+    """honing's commit, with ``+dirty`` when honing/ has uncommitted changes: the code a run
+    measured (the package is read from the working tree at each run's start)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "honing"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 @contextlib.contextmanager
