@@ -24,6 +24,8 @@ only by floating-point reassociation inside kernels (~1e-7 in float32).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,16 +74,55 @@ def supports(model: nn.Module) -> bool | str:
     return True
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    hidden = x.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * hidden.to(x.dtype)
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class _Layer(NamedTuple):
+    """One decoder block's parameters (the module's own tensors; biases may be None)."""
+
+    input_norm: _Norm
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    post_norm: _Norm
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return linear.weight, linear.bias
+
+
+def _norm(norm: nn.Module) -> _Norm:
+    return _Norm(norm.weight, norm.variance_epsilon)
+
+
+def _layer(layer: nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        _norm(layer.input_layernorm),
+        [_params(attn.q_proj), _params(attn.k_proj), _params(attn.v_proj)],
+        _params(attn.o_proj),
+        _norm(layer.post_attention_layernorm),
+        _params(mlp.gate_proj),
+        _params(mlp.up_proj),
+        _params(mlp.down_proj),
+    )
+
+
+def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (one fused op in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF ``x * cos + rotate_half(x) * sin``, where ``rotate_half(x) = cat(-x2, x1)``: the same
+    products as ``cat(x2, x1) * cat(-sin1, sin2)`` (a negation is exact), one op fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class FastDecoder:
@@ -108,10 +149,10 @@ class FastDecoder:
         """Run the left-padded prompts ``ids`` [B, P] (``mask`` 1 on real tokens, ``positions``
         counting from each row's first real token) and make room for ``max_new_tokens`` more."""
         inner = self.model.model
-        self.layers = [  # the current parameters, read once per generation
-            (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
-            for layer in inner.layers
-        ]
+        self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
+        self.final_norm = _norm(inner.norm)
+        self.embedding = inner.embed_tokens.weight
+        self.lm_head = _params(self.model.lm_head)
         batch, prompt_len = ids.shape
         weight = inner.embed_tokens.weight
         shape = (len(self.layers), batch, self.kv_heads, prompt_len + max_new_tokens, self.head_dim)
@@ -135,23 +176,19 @@ class FastDecoder:
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor
     ) -> torch.Tensor:
-        inner = self.model.model
         batch, width = ids.shape
         start, end = self.length, self.length + width
-        x = F.embedding(ids, inner.embed_tokens.weight)  # [B, T, E]
-        cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D]
-        for index, (norm_in, attn, norm_post, mlp) in enumerate(self.layers):
-            h = _rms_norm(x, norm_in)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
-            q = q.view(batch, width, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = k.view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            self.keys[index, :, :, start:end] = k * cos + _rotate_half(k) * sin
-            self.values[index, :, :, start:end] = v.view(
-                batch, width, self.kv_heads, self.head_dim
-            ).transpose(1, 2)
+        x = F.embedding(ids, self.embedding)  # [B, T, E]
+        cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D], sin signed for _rotate
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm)
+            q, k, v = (
+                F.linear(h, *params).view(batch, width, -1, self.head_dim).transpose(1, 2)
+                for params in layer.qkv
+            )  # [B, H or Hkv, T, D]
+            q = _rotate(q, cos, sin)
+            self.keys[index, :, :, start:end] = _rotate(k, cos, sin)
+            self.values[index, :, :, start:end] = v
             out = F.scaled_dot_product_attention(
                 q,
                 self.keys[index, :, :, :end],  # [B, Hkv, S, D]
@@ -160,19 +197,19 @@ class FastDecoder:
                 scale=self.scaling,
                 enable_gqa=self.heads != self.kv_heads,
             )  # [B, H, T, D]
-            out = out.transpose(1, 2).reshape(batch, width, -1)
-            x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            h = _rms_norm(x, norm_post)
-            gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(gated * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            x = x + F.linear(out.transpose(1, 2).reshape(batch, width, -1), *layer.o)
+            h = _rms_norm(x, layer.post_norm)
+            gated = F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up)
+            x = x + F.linear(gated, *layer.down)
         self.length = end
-        last = _rms_norm(x[:, -1], inner.norm)  # the norm is per position: only the last
-        return F.linear(last, self.model.lm_head.weight, self.model.lm_head.bias)  # [B, V]
+        last = _rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
+        return F.linear(last, *self.lm_head)  # [B, V]
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin as HF's rotary embedding makes them: float32, then the model dtype."""
+        """cos and sin as HF's rotary embedding makes them (float32, then the model dtype), the
+        first half of sin negated for ``_rotate``."""
         inv_freq = self.model.model.rotary_emb.inv_freq.float()
         freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
+        sin = freqs.sin().to(dtype)
+        return cos[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
