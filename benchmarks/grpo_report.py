@@ -122,6 +122,8 @@ def write_markdown(report: dict, path: Path) -> str:
         "",
         *_scaling_rows(report),
         "",
+        *([f"- {note}." for note in report.get("notes", [])]),
+        "",
     ]
     text = "\n".join(lines)
     path.write_text(text)
