@@ -12,6 +12,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
 from honing.types import Rollout
@@ -87,6 +88,12 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+# Causal LMs whose logits are exactly ``lm_head(final hidden state)``: the head can then be
+# applied in chunks (no soft-capping or scaling after it, as Gemma 2 or Cohere have).
+PLAIN_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HEAD_CHUNK_LOGITS = 1 << 24  # logits per chunk when the head is applied in chunks (64 MiB)
+
+
 def response_logprobs(
     model,
     batch: TrainBatch,
@@ -100,8 +107,17 @@ def response_logprobs(
     Logits are divided by the sampling temperature so that the trained distribution is the one
     the engine sampled from (as verl does). The entropy carries a gradient only when
     ``entropy_grad`` (an entropy bonus); as a metric it is computed on detached logits.
+
+    When the response logits of the whole batch would exceed ``HEAD_CHUNK_LOGITS`` and the
+    model's logits are plain ``lm_head(hidden)``, the head runs on chunks of sequences under
+    activation checkpointing: the ``[B, R, V]`` logits are never held at once (the backward
+    pass recomputes each chunk's), so long responses with a large vocabulary fit in memory.
     """
     width = batch.responses.shape[1]
+    if _chunked_head(model, batch, width):
+        return _chunked_response_logprobs(
+            model, batch, width, temperature, with_entropy, entropy_grad
+        )
     # Only the last R + 1 positions' logits are needed: with a large vocabulary the prompt's
     # logits would dominate memory.
     keep = {"logits_to_keep": width + 1} if _accepts_logits_to_keep(model) else {}
@@ -115,10 +131,58 @@ def response_logprobs(
     # Column P + r - 1 predicts response token r.
     start = logits.shape[1] - width - 1
     logits = logits[:, start : start + width].float()  # [B, R, V]
+    return _head_outputs(logits, batch.responses, temperature, with_entropy, entropy_grad)
+
+
+def _head_outputs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, batch.responses)  # [B, R]
+    logprobs = logprobs_from_logits(logits, labels)  # [B, R]
     entropy = None
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logprobs, entropy
+
+
+def _chunked_head(model, batch: TrainBatch, width: int) -> bool:
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or head is None:
+        return False
+    return len(batch) * width * head.weight.shape[0] > HEAD_CHUNK_LOGITS
+
+
+def _chunked_response_logprobs(
+    model, batch: TrainBatch, width: int, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = model.base_model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    start = hidden.shape[1] - width - 1
+    hidden = hidden[:, start : start + width]  # [B, R, H]: position P + r - 1 predicts token r
+    head = model.get_output_embeddings()
+    rows = max(1, HEAD_CHUNK_LOGITS // (width * head.weight.shape[0]))
+
+    def chunk_outputs(states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = head(states).float()  # [rows, R, V], freed after the chunk
+        logprobs, entropy = _head_outputs(logits, labels, temperature, with_entropy, entropy_grad)
+        return (logprobs,) if entropy is None else (logprobs, entropy)
+
+    pieces = [
+        torch.utils.checkpoint.checkpoint(chunk_outputs, states, labels, use_reentrant=False)
+        if torch.is_grad_enabled()
+        else chunk_outputs(states, labels)
+        for states, labels in zip(hidden.split(rows), batch.responses.split(rows), strict=True)
+    ]
+    logprobs = torch.cat([piece[0] for piece in pieces])
+    entropy = torch.cat([piece[1] for piece in pieces]) if with_entropy else None
     return logprobs, entropy

@@ -121,3 +121,36 @@ def test_entropy_carries_a_gradient_only_when_asked(model):
     _, entropy = response_logprobs(model, batch, with_entropy=True, entropy_grad=True)
     assert entropy.requires_grad
     assert response_logprobs(model, batch)[1] is None
+
+
+def test_chunked_head_gives_the_same_values_and_gradients(model, monkeypatch):
+    """With the head applied in chunks under checkpointing (as for long responses with a big
+    vocabulary), logprobs, entropies and parameter gradients match the plain path."""
+    import honing.trainer.batch as batch_module
+
+    rows = [
+        rollout([20, 21, 15, 22, 33], [25, 26, EOS]),
+        rollout([40], [41, 42, 43, 44, 45], reason="length"),
+        rollout([30, 15, 31], [EOS]),
+    ]
+    batch = collate(rows, pad_id=PAD, device=CPU)
+
+    def run():
+        model.zero_grad()
+        logprobs, entropy = response_logprobs(
+            model, batch, temperature=0.7, with_entropy=True, entropy_grad=True
+        )
+        ((logprobs * batch.response_mask).sum() + entropy.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return logprobs.detach(), entropy.detach(), grads
+
+    plain = run()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(batch_module, "HEAD_CHUNK_LOGITS", 5 * vocab)  # one sequence a chunk
+    assert batch_module._chunked_head(model, batch, 5)
+    chunked = run()
+    torch.testing.assert_close(chunked[0], plain[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked[1], plain[1], atol=1e-6, rtol=0)
+    assert len(chunked[2]) == len(plain[2])
+    for got, want in zip(chunked[2], plain[2], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
