@@ -23,7 +23,10 @@ from honing.errors import RunStopped, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="honing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="honing",
+        description="Train language models with reinforcement learning from verifiable rewards.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a policy with RL from verifiable rewards")
     train.add_argument(
