@@ -13,15 +13,21 @@ STAMP := $(VENV)/.honing-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-		echo "keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+# $(call venv_with_torch,DIR): make the virtualenv DIR (if missing) and, on a machine without
+# CUDA, install the CPU build of torch into it unless a torch is already there.
+define venv_with_torch
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	@if $(1)/bin/python -c "import torch" 2>/dev/null; then \
+		echo "keeping installed torch $$($(1)/bin/python -c 'import torch; print(torch.__version__)')"; \
 	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "no CUDA here: installing the CPU build ($(TORCH))"; \
-		$(PY) -m pip install -q "$(TORCH)"; \
+		$(1)/bin/python -m pip install -q "$(TORCH)"; \
 	fi
+endef
+
+$(STAMP): pyproject.toml
+	$(call venv_with_torch,$(VENV))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -44,14 +50,7 @@ BENCH_ARGS ?=
 bench-setup: $(PEERS_STAMP)
 
 $(PEERS_STAMP):
-	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_PY) -m pip install -q --upgrade pip
-	@if $(PEERS_PY) -c "import torch" 2>/dev/null; then \
-		echo "keeping installed torch $$($(PEERS_PY) -c 'import torch; print(torch.__version__)')"; \
-	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
-		echo "no CUDA here: installing the CPU build ($(TORCH))"; \
-		$(PEERS_PY) -m pip install -q "$(TORCH)"; \
-	fi
+	$(call venv_with_torch,$(PEERS_VENV))
 	$(PEERS_PY) -m pip install -q "trl==1.16.0" "transformers==5.24.0" "datasets==5.2.0"
 	touch $(PEERS_STAMP)
 
