@@ -121,17 +121,20 @@ def response_logprobs(
     # Only the last R + 1 positions' logits are needed: with a large vocabulary the prompt's
     # logits would dominate memory.
     keep = {"logits_to_keep": width + 1} if _accepts_logits_to_keep(model) else {}
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        **keep,
-    ).logits
+    logits = model(**_model_inputs(batch), **keep).logits
     # Column P + r - 1 predicts response token r.
     start = logits.shape[1] - width - 1
     logits = logits[:, start : start + width].float()  # [B, R, V]
     return _head_outputs(logits, batch.responses, temperature, with_entropy, entropy_grad)
+
+
+def _model_inputs(batch: TrainBatch) -> dict:
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
 
 
 def _head_outputs(
@@ -161,12 +164,7 @@ def _chunked_head(model, batch: TrainBatch, width: int) -> bool:
 def _chunked_response_logprobs(
     model, batch: TrainBatch, width: int, temperature: float, with_entropy: bool, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    hidden = model.base_model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
+    hidden = model.base_model(**_model_inputs(batch)).last_hidden_state
     start = hidden.shape[1] - width - 1
     hidden = hidden[:, start : start + width]  # [B, R, H]: position P + r - 1 predicts token r
     head = model.get_output_embeddings()
