@@ -246,10 +246,8 @@ def _prompt_text(prompt: Prompt) -> str:
 def _function_name(fn: Any) -> str:
     if getattr(fn, "name", None):
         return str(fn.name)
-    if isinstance(fn, BatchRewardFn) and not callable(getattr(fn, "__qualname__", None)):
-        fn = type(fn)
     module = getattr(fn, "__module__", None)
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__  # a function, or an object
     return f"{module}.{name}" if module else name
 
 
