@@ -19,6 +19,7 @@ import yaml
 from honing.checkpoint import CheckpointManager
 from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
+from honing.host import configure_host
 from honing.monitor import RunLogger
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
@@ -109,8 +110,7 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
             f"{run_dir} already holds a run; pass --resume auto to continue it, "
             "or choose another --output-dir"
         )
-    if config.trainer.threads:
-        torch.set_num_threads(config.trainer.threads)
+    configure_host(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
     parts = build_components(config, log=log)
     try:

@@ -3,8 +3,9 @@
 Why: at the sizes RL fine-tuning runs on a small machine, a decode step of the Hugging Face
 forward spends most of its time in Python (mask creation, rotary helpers, cache bookkeeping,
 output wrappers), not in the matrix products. This module runs the same arithmetic with a
-pre-allocated KV cache, one boolean mask and
-``torch.nn.functional.scaled_dot_product_attention``, and nothing else.
+pre-allocated KV cache, one boolean mask, q/k/v and gate/up projections fused into one matmul
+each, ``scaled_dot_product_attention`` for the prompt and two batched matmuls for each new
+token's attention (the fused CPU kernel is slower for a single query), and nothing else.
 
 What is supported (``supports`` checks it and says why not otherwise): the transformers
 ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` classes (not
@@ -17,8 +18,9 @@ Why it is exact: every operation is the one the Hugging Face modules run, in the
 dtype: RMSNorm in float32 cast back before the weight, cos/sin computed in float32 from the
 model's own ``inv_freq`` buffer and cast to the model dtype, ``rotate_half`` rotary, attention
 with scale ``head_dim ** -0.5`` over the same keys (left padding masked out), the SiLU-gated
-MLP. The weights are the module's own parameters, read at each ``prefill`` (no copy), so a
-weight update by the trainer is seen by the next generation. Results differ from the HF forward
+MLP. The weights are read from the module at each ``prefill`` (the fused q/k/v and gate/up
+matrices are copied then, the others used as they are), so a weight update by the trainer is
+seen by the next generation; the copies cost the memory of those matrices during generation. Results differ from the HF forward
 only by floating-point reassociation inside kernels (~1e-7 in float32).
 """
 
@@ -80,19 +82,33 @@ class _Norm(NamedTuple):
 
 
 class _Layer(NamedTuple):
-    """One decoder block's parameters (the module's own tensors; biases may be None)."""
+    """One decoder block's weights for one generation: q/k/v and gate/up fused into one
+    matrix each (one matmul instead of three and two; biases may be None)."""
 
     input_norm: _Norm
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    qkv_sizes: tuple[int, int, int]
     o: tuple[torch.Tensor, torch.Tensor | None]
     post_norm: _Norm
-    gate: tuple[torch.Tensor, torch.Tensor | None]
-    up: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
     down: tuple[torch.Tensor, torch.Tensor | None]
 
 
 def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight, linear.bias
+
+
+def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights stacked along the output dimension (a copy, made per generation so
+    that the trainer's updates are seen); their outputs are the slices of the fused one's."""
+    weight = torch.cat([linear.weight for linear in linears])
+    if all(linear.bias is None for linear in linears):
+        return weight, None
+    bias = [
+        linear.bias if linear.bias is not None else weight.new_zeros(linear.out_features)
+        for linear in linears
+    ]
+    return weight, torch.cat(bias)
 
 
 def _norm(norm: nn.Module) -> _Norm:
@@ -103,11 +119,11 @@ def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     return _Layer(
         _norm(layer.input_layernorm),
-        [_params(attn.q_proj), _params(attn.k_proj), _params(attn.v_proj)],
+        _fused(attn.q_proj, attn.k_proj, attn.v_proj),
+        (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         _params(attn.o_proj),
         _norm(layer.post_attention_layernorm),
-        _params(mlp.gate_proj),
-        _params(mlp.up_proj),
+        _fused(mlp.gate_proj, mlp.up_proj),
         _params(mlp.down_proj),
     )
 
@@ -183,27 +199,44 @@ class FastDecoder:
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm)
             q, k, v = (
-                F.linear(h, *params).view(batch, width, -1, self.head_dim).transpose(1, 2)
-                for params in layer.qkv
+                part.view(batch, width, -1, self.head_dim).transpose(1, 2)
+                for part in F.linear(h, *layer.qkv).split(layer.qkv_sizes, dim=-1)
             )  # [B, H or Hkv, T, D]
             q = _rotate(q, cos, sin)
             self.keys[index, :, :, start:end] = _rotate(k, cos, sin)
             self.values[index, :, :, start:end] = v
-            out = F.scaled_dot_product_attention(
-                q,
-                self.keys[index, :, :, :end],  # [B, Hkv, S, D]
-                self.values[index, :, :, :end],
-                attn_mask=attend,
-                scale=self.scaling,
-                enable_gqa=self.heads != self.kv_heads,
-            )  # [B, H, T, D]
+            keys, values = self.keys[index, :, :, :end], self.values[index, :, :, :end]
+            if width == 1:
+                out = self._step_attention(q, keys, values, attend)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q,
+                    keys,  # [B, Hkv, S, D]
+                    values,
+                    attn_mask=attend,
+                    scale=self.scaling,
+                    enable_gqa=self.heads != self.kv_heads,
+                )  # [B, H, T, D]
             x = x + F.linear(out.transpose(1, 2).reshape(batch, width, -1), *layer.o)
             h = _rms_norm(x, layer.post_norm)
-            gated = F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up)
-            x = x + F.linear(gated, *layer.down)
+            gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, *layer.down)
         self.length = end
         last = _rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
         return F.linear(last, *self.lm_head)  # [B, V]
+
+    def _step_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one new query per row, as two batched matmuls and a softmax: for a
+        single query the fused CPU attention kernel costs several times more than this. The
+        query heads sharing a KV head are grouped (HF's ``repeat_kv`` maps head h to KV head
+        h // group), so no key is repeated. Returns [B, H, 1, D]."""
+        batch, kv_heads, length, dim = keys.shape
+        grouped = q.reshape(batch, kv_heads, -1, dim)  # [B, Hkv, G, D]
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, S]
+        scores = scores.masked_fill(~attend, float("-inf")).softmax(-1)
+        return torch.matmul(scores, values).view(batch, -1, 1, dim)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin as HF's rotary embedding makes them (float32, then the model dtype), the

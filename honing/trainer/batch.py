@@ -12,9 +12,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
+from honing.trainer.head import head_logprobs
 from honing.types import Rollout
 
 
@@ -109,9 +109,10 @@ def response_logprobs(
     ``entropy_grad`` (an entropy bonus); as a metric it is computed on detached logits.
 
     When the response logits of the whole batch would exceed ``HEAD_CHUNK_LOGITS`` and the
-    model's logits are plain ``lm_head(hidden)``, the head runs on chunks of sequences under
-    activation checkpointing: the ``[B, R, V]`` logits are never held at once (the backward
-    pass recomputes each chunk's), so long responses with a large vocabulary fit in memory.
+    model's logits are plain ``lm_head(hidden)``, the head is fused with the logprob
+    (``honing.trainer.head``): it runs on chunks of real response tokens only, the ``[B, R, V]``
+    logits are never held at once, and the backward pass recomputes one chunk at a time, so long
+    responses with a large vocabulary fit in memory. Padding positions then get logprob 0.
     """
     width = batch.responses.shape[1]
     if _chunked_head(model, batch, width):
@@ -158,6 +159,8 @@ def _chunked_head(model, batch: TrainBatch, width: int) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or head is None:
         return False
+    if getattr(head, "bias", None) is not None:
+        return False
     return len(batch) * width * head.weight.shape[0] > HEAD_CHUNK_LOGITS
 
 
@@ -167,20 +170,22 @@ def _chunked_response_logprobs(
     hidden = model.base_model(**_model_inputs(batch)).last_hidden_state
     start = hidden.shape[1] - width - 1
     hidden = hidden[:, start : start + width]  # [B, R, H]: position P + r - 1 predicts token r
-    head = model.get_output_embeddings()
-    rows = max(1, HEAD_CHUNK_LOGITS // (width * head.weight.shape[0]))
+    real = batch.response_mask[:, :width].bool()  # padding tokens need no logits
+    weight = model.get_output_embeddings().weight
+    logprobs, entropy = head_logprobs(
+        hidden[real],
+        weight,
+        batch.responses[real],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=HEAD_CHUNK_LOGITS // weight.shape[0],
+    )
+    return _scatter(logprobs, real), None if entropy is None else _scatter(entropy, real)
 
-    def chunk_outputs(states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits = head(states).float()  # [rows, R, V], freed after the chunk
-        logprobs, entropy = _head_outputs(logits, labels, temperature, with_entropy, entropy_grad)
-        return (logprobs,) if entropy is None else (logprobs, entropy)
 
-    pieces = [
-        torch.utils.checkpoint.checkpoint(chunk_outputs, states, labels, use_reentrant=False)
-        if torch.is_grad_enabled()
-        else chunk_outputs(states, labels)
-        for states, labels in zip(hidden.split(rows), batch.responses.split(rows), strict=True)
-    ]
-    logprobs = torch.cat([piece[0] for piece in pieces])
-    entropy = torch.cat([piece[1] for piece in pieces]) if with_entropy else None
-    return logprobs, entropy
+def _scatter(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``values`` of the real tokens back into a zero-padded [B, R] tensor (differentiably)."""
+    return torch.zeros(real.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        real, values
+    )

@@ -292,3 +292,26 @@ def test_sample_categorical_draws_the_given_distribution():
     torch.testing.assert_close(frequencies, torch.tensor([0.1, 0.5, 0.0, 0.4]), atol=0.015, rtol=0)
     again = sample_categorical(probs, torch.Generator().manual_seed(0))
     assert torch.equal(tokens, again)
+
+
+def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf():
+    """Across blocks (a vocabulary that is not a multiple of the block, masked tokens, rows
+    whose mass sits in one block), the two-level inversion draws the token that one float64
+    running sum over the whole vocabulary gives for the same uniform; masked tokens never."""
+    from honing.rollout.transformers_engine import SAMPLE_BLOCK, sample_categorical
+
+    vocab = SAMPLE_BLOCK * 3 + 77
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(4000, vocab, generator=gen) ** 8  # peaked, like a trained model
+    probs[:, SAMPLE_BLOCK - 5 : SAMPLE_BLOCK + 5] = 0  # masked across a block boundary
+    probs[:, -1] = 0
+    probs[:100] = 0
+    probs[:100, SAMPLE_BLOCK * 2 + 3] = 2.0  # all the mass on one token
+    tokens = sample_categorical(probs, torch.Generator().manual_seed(0))
+
+    u = torch.rand(len(probs), 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    assert (tokens != want).sum() <= 2  # only float64 rounding at a boundary may differ
+    assert (probs.gather(-1, tokens[:, None]) > 0).all()
+    assert (tokens[:100] == SAMPLE_BLOCK * 2 + 3).all()

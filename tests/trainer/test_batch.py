@@ -124,8 +124,9 @@ def test_entropy_carries_a_gradient_only_when_asked(model):
 
 
 def test_chunked_head_gives_the_same_values_and_gradients(model, monkeypatch):
-    """With the head applied in chunks under checkpointing (as for long responses with a big
-    vocabulary), logprobs, entropies and parameter gradients match the plain path."""
+    """With the head fused with the logprob in chunks of tokens (as for long responses with a
+    big vocabulary), logprobs, entropies and parameter gradients match the plain path on real
+    tokens; padding positions are 0."""
     import honing.trainer.batch as batch_module
 
     rows = [
@@ -140,17 +141,21 @@ def test_chunked_head_gives_the_same_values_and_gradients(model, monkeypatch):
         logprobs, entropy = response_logprobs(
             model, batch, temperature=0.7, with_entropy=True, entropy_grad=True
         )
-        ((logprobs * batch.response_mask).sum() + entropy.sum()).backward()
+        mask = batch.response_mask
+        ((logprobs * mask * weights[0]).sum() + (entropy * mask * weights[1]).sum()).backward()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         return logprobs.detach(), entropy.detach(), grads
 
+    weights = torch.randn(2, *batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     plain = run()
     vocab = model.get_output_embeddings().weight.shape[0]
-    monkeypatch.setattr(batch_module, "HEAD_CHUNK_LOGITS", 5 * vocab)  # one sequence a chunk
+    monkeypatch.setattr(batch_module, "HEAD_CHUNK_LOGITS", 4 * vocab)  # 4 tokens a chunk
     assert batch_module._chunked_head(model, batch, 5)
     chunked = run()
-    torch.testing.assert_close(chunked[0], plain[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(chunked[1], plain[1], atol=1e-6, rtol=0)
+    real = batch.response_mask.bool()
+    for got, want in zip(chunked[:2], plain[:2], strict=True):
+        torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=0)
+        assert (got[~real] == 0).all()
     assert len(chunked[2]) == len(plain[2])
     for got, want in zip(chunked[2], plain[2], strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
