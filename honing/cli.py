@@ -95,6 +95,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     verifier.add_argument("--math-timeout-s", type=float, default=5.0)
     verifier.add_argument("--code-timeout-s", type=float, default=10.0)
+    verifier.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="hold each request this long before scoring (to measure slow scoring)",
+    )
     model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
     model.add_argument("--model", required=True, help="local Hugging Face model directory")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -139,6 +145,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             routes=routes,
             math_timeout_s=ns.math_timeout_s,
             code_timeout_s=ns.code_timeout_s,
+            delay_s=ns.delay_ms / 1000,
             **guards,
         )
     else:

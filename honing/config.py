@@ -187,7 +187,11 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    mode: str = _opt("sync", choices=("sync",))
+    # sync: generate, score, update in turn; one_step: batch k+1 is generated and scored
+    # while batch k trains (sampled one version behind, deterministic); async: generation and
+    # scoring run ahead with the newest weights, at most max_staleness versions behind.
+    mode: str = _opt("sync", choices=("sync", "one_step", "async"))
+    max_staleness: int = _opt(1, ge=0)  # async: trainer version - sampling version, at most
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class Collected:
     latencies_ms: list[float] = field(default_factory=list)
     reward_counters: Counter = field(default_factory=Counter)  # client: errors, retries, ...
     baselines: dict[int, float] = field(default_factory=dict)  # remax: greedy score by group
+    groups_kept: int = 0
 
 
 def _is_uniform(scores: list[Score]) -> bool:
@@ -50,42 +51,68 @@ def collect(config: Config, parts: Components, step: int, seed: int) -> Collecte
     algo, rollout = config.algorithm, config.rollout
     out = Collected()
     rounds = algo.max_gen_rounds if algo.dynamic_sampling else 1
-    groups_kept = 0
-    while out.rounds < rounds and groups_kept < rollout.batch_size:
+    while out.rounds < rounds and out.groups_kept < rollout.batch_size:
         prompts = parts.source.next_batch()
-        base = out.rounds * rollout.batch_size  # group ids stay unique across rounds
-        requests = [
-            GenerationRequest(p.id, parts.prompt_ids[p.id], base + i) for i, p in enumerate(prompts)
-        ]
-        t0 = time.perf_counter()
-        sampling = replace(parts.train_sampling, seed=seed + out.rounds)
-        rollouts = parts.engine.generate(requests, sampling)
-        t1 = time.perf_counter()
-        scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
-        out.latencies_ms += parts.scorer.last_latencies_ms
-        out.reward_counters.update(parts.scorer.last_metrics)
-        out.reward_seconds += time.perf_counter() - t1
-        out.gen_seconds += t1 - t0
-        out.rounds += 1
-        _shape(config, rollouts, scores)
-        if algo.advantage == "remax":
-            out.baselines |= _greedy_baselines(parts, requests, prompts, rollout.max_new_tokens)
-        out.rollouts += rollouts
-        out.scores += scores
-        for group in _groups(rollouts, scores):
-            usable = [(r, s) for r, s in group if math.isfinite(s.reward)]
-            out.failed += len(group) - len(usable)
-            if algo.dynamic_sampling and (
-                groups_kept >= rollout.batch_size
-                or (usable and _is_uniform([s for _, s in usable]))
-            ):
-                out.filtered[
-                    "uniform_group" if groups_kept < rollout.batch_size else "batch_full"
-                ] += len(usable)
-                continue
-            out.kept += usable
-            groups_kept += bool(usable)
+        generated = generate_round(parts, prompts, out.rounds, seed)
+        score_round(config, parts, generated, out)
     return out
+
+
+@dataclass
+class Generated:
+    """One round's prompts and their sampled completions, not yet scored."""
+
+    prompts: list
+    requests: list[GenerationRequest]
+    rollouts: list[Rollout]
+    seconds: float
+
+
+def generate_round(parts: Components, prompts: list, round_index: int, seed: int) -> Generated:
+    """Sample ``group_size`` completions of each prompt (group ids unique across rounds)."""
+    base = round_index * len(prompts)
+    requests = [
+        GenerationRequest(p.id, parts.prompt_ids[p.id], base + i) for i, p in enumerate(prompts)
+    ]
+    t0 = time.perf_counter()
+    rollouts = parts.engine.generate(
+        requests, replace(parts.train_sampling, seed=seed + round_index)
+    )
+    return Generated(prompts, requests, rollouts, time.perf_counter() - t0)
+
+
+def score_round(config: Config, parts: Components, generated: Generated, out: Collected) -> None:
+    """Score one round's rollouts, shape the rewards, and file every sample into ``out`` as
+    kept, filtered or failed."""
+    algo, rollout = config.algorithm, config.rollout
+    prompts, rollouts = generated.prompts, generated.rollouts
+    t1 = time.perf_counter()
+    scores = parts.scorer.score({p.id: p for p in prompts}, rollouts, parts.rendered)
+    out.latencies_ms += parts.scorer.last_latencies_ms
+    out.reward_counters.update(parts.scorer.last_metrics)
+    out.reward_seconds += time.perf_counter() - t1
+    out.gen_seconds += generated.seconds
+    out.rounds += 1
+    _shape(config, rollouts, scores)
+    if algo.advantage == "remax":
+        out.baselines |= _greedy_baselines(
+            parts, generated.requests, prompts, rollout.max_new_tokens
+        )
+    out.rollouts += rollouts
+    out.scores += scores
+    for group in _groups(rollouts, scores):
+        usable = [(r, s) for r, s in group if math.isfinite(s.reward)]
+        out.failed += len(group) - len(usable)
+        if algo.dynamic_sampling and (
+            out.groups_kept >= rollout.batch_size
+            or (usable and _is_uniform([s for _, s in usable]))
+        ):
+            out.filtered[
+                "uniform_group" if out.groups_kept < rollout.batch_size else "batch_full"
+            ] += len(usable)
+            continue
+        out.kept += usable
+        out.groups_kept += bool(usable)
 
 
 def _groups(rollouts: list[Rollout], scores: list[Score]):

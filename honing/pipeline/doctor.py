@@ -154,7 +154,7 @@ def _gpu() -> str:
 def _model_and_step(doctor: _Doctor, config: Config) -> None:
     from honing.monitor import RunLogger
     from honing.pipeline.components import build_components
-    from honing.pipeline.sync import SyncLoop
+    from honing.pipeline.loop import TrainLoop
 
     state: dict[str, Any] = {}
 
@@ -182,7 +182,7 @@ def _model_and_step(doctor: _Doctor, config: Config) -> None:
         scratch = tempfile.mkdtemp(prefix="honing-doctor-")
         try:
             with RunLogger(scratch, total_steps=1, tensorboard=False, console=False) as logger:
-                metrics = SyncLoop(config, parts, logger, checkpoints=None).train_step(1)
+                metrics = TrainLoop(config, parts, logger, checkpoints=None).train_step(1)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             parts.scorer.close()

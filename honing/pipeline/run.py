@@ -23,8 +23,8 @@ from honing.host import configure_host
 from honing.monitor import RunLogger
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
+from honing.pipeline.loop import TrainLoop
 from honing.pipeline.state import CONFIG_FILE, load_training_state
-from honing.pipeline.sync import SyncLoop
 
 
 def default_output_dir(config_path: str | None) -> Path:
@@ -166,7 +166,7 @@ def _train(
                 f"the run is already at step {start} of trainer.total_steps="
                 f"{config.trainer.total_steps}; raise it to train further"
             )
-        SyncLoop(config, parts, logger, checkpoints).run(start)
+        TrainLoop(config, parts, logger, checkpoints).run(start)
     result = summary(run_dir)
     write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
     return result

@@ -45,11 +45,14 @@ def save_training_state(
     config: Config,
     step: int,
     required: bool | None = None,
+    source_state: dict | None = None,
 ) -> Path | None:
     """Saves the whole training state as the checkpoint of ``step``.
 
     Args:
         required: Whether a failed save must stop the run; default: only the final step's.
+        source_state: The data cursor to record, when prompts were drawn ahead of ``step``
+            (asynchronous schedules); default: the source's own.
 
     Returns:
         The checkpoint directory, or ``None`` when a save that was not required failed
@@ -75,7 +78,7 @@ def save_training_state(
         info = {
             "step": step,
             "seed": config.trainer.seed,
-            "data": parts.source.state_dict(),
+            "data": source_state if source_state is not None else parts.source.state_dict(),
             "kl_coef": parts.kl_controller.value,  # moves under the adaptive controller
         }
         (directory / STATE_JSON).write_text(json.dumps(info, indent=1))

@@ -20,8 +20,9 @@ model's own ``inv_freq`` buffer and cast to the model dtype, ``rotate_half`` rot
 with scale ``head_dim ** -0.5`` over the same keys (left padding masked out), the SiLU-gated
 MLP. The weights are read from the module at each ``prefill`` (the fused q/k/v and gate/up
 matrices are copied then, the others used as they are), so a weight update by the trainer is
-seen by the next generation; the copies cost the memory of those matrices during generation. Results differ from the HF forward
-only by floating-point reassociation inside kernels (~1e-7 in float32).
+seen by the next generation; the copies cost the memory of those matrices during generation.
+Results differ from the HF forward only by floating-point reassociation inside kernels (~1e-7
+in float32).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ models); any other model, or ``fast_decode=False``, uses the model's own forward
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 
@@ -160,6 +161,20 @@ class TransformersEngine:
         return (
             FastDecoder(self.model) if self.fast_decode else _HFDecoder(self.model, self._cache_arg)
         )
+
+    def detached_copy(self) -> TransformersEngine:
+        """An engine over a copy of this one's model (same settings and weight version), for
+        sampling on another thread while the original's model trains."""
+        model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        engine = TransformersEngine(
+            model,
+            self.tokenizer,
+            device=self.device,
+            generation_batch=self.generation_batch,
+            fast_decode=self.fast_decode_reason != "disabled",
+        )
+        engine.weight_version = self.weight_version
+        return engine
 
     def load_weights(self, version: int, state_dict: dict | None = None) -> None:
         if state_dict is not None:

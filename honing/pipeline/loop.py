@@ -1,11 +1,14 @@
-"""The synchronous loop: generate -> score -> update, one step after another.
+"""The training loop: generate -> score -> update, under each schedule.
 
 Per step: take a batch of prompts, sample ``group_size`` completions each, score them,
-compute advantages, update the policy (which the in-process engine shares), log, and
-validate / checkpoint on schedule. Every generated sample is accounted for:
-generated = trained + failed, where failed counts the samples whose score failed and were
-dropped (``reward.on_error=drop``); ``samples/score_errors`` counts every failed score, also
-those trained with a recorded 0 (``reward.on_error=zero``).
+compute advantages, update the policy, log, and validate / checkpoint on schedule. Under
+``schedule.mode=sync`` the batch is made right then, by the in-process engine that shares the
+policy; under ``one_step`` / ``async`` it was made ahead by ``producer.RolloutProducer`` on
+other threads (with its own copy of the policy, which gets each new version). Every generated
+sample is accounted for: generated = trained + filtered + failed + stale, where failed counts
+the samples whose score failed and were dropped (``reward.on_error=drop``) and stale those
+that arrived staler than ``schedule.max_staleness``; ``samples/score_errors`` counts every
+failed score, also those trained with a recorded 0 (``reward.on_error=zero``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
-from honing.errors import RunStopped
+from honing.errors import ConfigError, RunStopped
 from honing.monitor import RunLogger
 from honing.monitor.logger import distribution_metrics
 from honing.monitor.system import system_metrics
@@ -28,6 +31,7 @@ from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
+from honing.pipeline.producer import RolloutProducer, check_supported
 from honing.pipeline.state import load_training_state, save_training_state
 from honing.trainer.critic import update_critic
 from honing.trainer.update import mini_batches, update_policy
@@ -39,7 +43,7 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**63)
 
 
-class SyncLoop:
+class TrainLoop:
     """Runs steps ``start+1 .. total_steps`` of one run."""
 
     def __init__(
@@ -50,14 +54,16 @@ class SyncLoop:
         self.logger = logger
         self.checkpoints = checkpoints
         self.lr_scale = 1.0  # rollbacks' accumulated learning-rate change
+        self.producer: RolloutProducer | None = None  # one_step / async: rollouts made ahead
 
     def run(self, start_step: int) -> None:
         cfg = self.config.trainer
         alerting = Alerting(self.config.monitor, self.logger, self.checkpoints.root.parent)
+        step = start_step
+        self._start_producer(start_step)
         try:
             if start_step == 0 and cfg.val_at_start:
                 self.logger.log_metrics(0, self._validate())
-            step = start_step
             while step < cfg.total_steps:
                 step += 1
                 metrics = self.train_step(step)
@@ -71,9 +77,40 @@ class SyncLoop:
                     continue
                 every = self.config.checkpoint.every
                 if last or (every and step % every == 0):
-                    save_training_state(self.checkpoints, self.parts, self.config, step)
+                    self._save(step)
         finally:
+            self._stop_producer(step, "end of run")
             alerting.close()
+
+    def _start_producer(self, start_step: int) -> None:
+        """Under ``one_step`` / ``async``, rollouts are produced ahead on other threads."""
+        if self.config.schedule.mode == "sync":
+            return
+        unsupported = check_supported(self.config)
+        if unsupported:
+            raise ConfigError(
+                f"{unsupported} is not supported with schedule.mode="
+                f"{self.config.schedule.mode} yet; use schedule.mode=sync"
+            )
+        seed = self.config.trainer.seed
+        self.producer = RolloutProducer(
+            self.config, self.parts, start_step, lambda step: step_seed(seed, step)
+        )
+
+    def _stop_producer(self, step: int, reason: str) -> None:
+        """Stops the producer; samples made for later steps are discarded, and said so."""
+        if self.producer is None:
+            return
+        discarded = self.producer.close()
+        self.producer = None
+        if discarded:
+            self.logger.log_event("rollouts_discarded", step=step, samples=discarded, reason=reason)
+
+    def _save(self, step: int, required: bool | None = None):
+        source = self.producer.source_state(step + 1) if self.producer else None
+        return save_training_state(
+            self.checkpoints, self.parts, self.config, step, required, source_state=source
+        )
 
     def _act(self, decision: Decision, step: int, alerting: Alerting) -> int:
         """Stop (checkpoint, raise ``RunStopped``) or roll back; returns the step to go on
@@ -91,14 +128,14 @@ class SyncLoop:
             if target is None:
                 self.logger.log_event("rollback_refused", step=step, rule=rule, reason=reason)
         if target is None:
-            path = save_training_state(
-                self.checkpoints, self.parts, self.config, step, required=True
-            )
+            path = self._save(step, required=True)
             self.logger.log_event("stopped", step=step, rule=rule, checkpoint=str(path))
             raise RunStopped(f"stopped by alert {rule!r} at step {step}; checkpoint {path}")
         alerting.rollbacks += 1
         changes = decision.firing.rule.rollback
+        self._stop_producer(step, "rollback")
         target = self._rollback_to(target, changes)
+        self._start_producer(target)
         alerting.engine.reset()
         abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
         dropped = self.logger.truncate_after(target)
@@ -150,8 +187,12 @@ class SyncLoop:
     def train_step(self, step: int) -> dict[str, float]:
         parts, cfg = self.parts, self.config
         t0 = time.perf_counter()
-        got = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step))
-        metrics = self._rollout_metrics(got)
+        if self.producer is None:
+            got, schedule = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step)), {}
+        else:
+            got, schedule = self.producer.take(step)
+        metrics = self._rollout_metrics(got) | schedule
+        metrics.setdefault("samples/stale", 0)
         if got.kept:
             metrics |= self._update(step, got)
         else:
@@ -176,6 +217,9 @@ class SyncLoop:
         if parts.critic is None or step > cfg.trainer.critic_warmup_steps:
             parts.scheduler.step()  # the policy's schedule starts when the policy does
         parts.engine.load_weights(step)
+        if self.producer is not None:
+            weights = {k: v.detach().clone() for k, v in parts.policy.state_dict().items()}
+            self.producer.publish(step, weights)
         t_end = time.perf_counter()
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in got.rollouts)
         metrics |= {
@@ -199,7 +243,7 @@ class SyncLoop:
     @staticmethod
     def _check_accounting(step: int, metrics: dict) -> None:
         """DESIGN.md's invariant: every generated sample is trained, filtered or failed."""
-        parts = ("samples/trained", "samples/filtered", "samples/failed")
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
         if metrics["samples/generated"] != sum(metrics[k] for k in parts):
             raise RuntimeError(
                 f"sample accounting broken at step {step}: "

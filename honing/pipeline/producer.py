@@ -1,0 +1,220 @@
+"""Rollouts produced ahead of the trainer: the ``one_step`` and ``async`` schedules.
+
+Two stages run beside the trainer, each on its own thread, with their own copy of the policy
+in the rollout engine:
+
+- generation, step after step: for step k it waits for admission, loads the weights it is
+  to sample with, draws the step's prompts and samples the groups;
+- scoring: scores each generated round while the next one is being generated (a slow verifier
+  or reward service then overlaps generation and the update instead of stalling them), shapes
+  the rewards and files every sample as kept, filtered or failed (``collect.score_round``).
+
+The trainer takes step k's batch in order (``take``), updates, and publishes the new weights
+(``publish``). A rollout made with weight version v is trained at step k with staleness
+``(k - 1) - v`` (the trainer holds version k - 1 before its k-th update). Admission keeps it
+within ``schedule.max_staleness``: generation for step k starts only once version
+``k - 1 - max_staleness`` is published, so at most ``max_staleness + 1`` batches are ahead.
+
+- ``one_step`` samples step k with exactly version ``k - 2`` (verl's one-step off-policy):
+  generation of batch k + 1 overlaps the update on batch k, and the run is deterministic.
+- ``async`` samples with the newest published version when generation starts (fresher, but
+  which version depends on timing); staleness is at most ``max_staleness``.
+
+A batch that arrives staler than allowed (possible only when versions move backwards, e.g. a
+remote engine behind) is dropped and counted as ``samples/stale``. The loss corrects the
+off-policy rest with the behaviour logprobs each rollout carries (``algorithm.tis_level``).
+Not supported here yet (a ``ConfigError`` says so): dynamic sampling and ReMax, whose extra
+generation rounds depend on the scores of the first.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from honing.config import Config
+from honing.pipeline.collect import Collected, generate_round, score_round
+from honing.pipeline.components import Components
+
+STOP = object()  # the scoring thread's end-of-work marker
+
+
+@dataclass
+class Produced:
+    """Step ``step``'s batch, the weight version that sampled it and the data cursor before
+    its prompts were drawn (what a checkpoint taken before this step must record)."""
+
+    step: int
+    version: int
+    source_state: dict
+    collected: Collected
+
+
+class RolloutProducer:
+    """Generates and scores steps ``start+1 .. total`` ahead of the trainer (see the module).
+
+    Args:
+        config: the run's config (``schedule``, ``rollout``, ``algorithm``, ``reward``).
+        parts: the run's components; the producer uses ``parts.engine``'s detached copy,
+            ``parts.source`` (it alone draws prompts while it runs), ``parts.scorer``.
+        start: the step the trainer has completed (its weights are version ``start``).
+        seed_of: the sampling seed of a step.
+    """
+
+    def __init__(self, config: Config, parts: Components, start: int, seed_of):
+        schedule = config.schedule
+        self.config, self.seed_of = config, seed_of
+        self.mode, self.max_staleness = schedule.mode, schedule.max_staleness
+        if self.mode == "one_step":
+            self.max_staleness = 1
+        self.engine = parts.engine.detached_copy()
+        self.parts = replace(parts, engine=self.engine)
+        self.start, self.total = start, config.trainer.total_steps
+        self._lock = threading.Condition()
+        self._published: dict[int, dict | None] = {start: None}  # version -> weights
+        self._trained = start  # the newest published version
+        self._next_gen = start + 1  # the step generation works on (or will)
+        self._cursors: dict[int, dict] = {}  # step -> data cursor before its prompts
+        self._ready: dict[int, Produced] = {}
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.engine_idle_s = 0.0  # generation's waits for admission, since the last take
+        self._to_score: queue.Queue = queue.Queue(maxsize=1)
+        self._threads = [
+            threading.Thread(target=self._guard(self._generate), name="honing-gen", daemon=True),
+            threading.Thread(target=self._guard(self._score), name="honing-score", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- the trainer's side -------------------------------------------------------------
+
+    def take(self, step: int) -> tuple[Collected, dict[str, float]]:
+        """Step ``step``'s batch (blocking until it is scored) and the schedule's metrics."""
+        t0 = time.perf_counter()
+        with self._lock:
+            while step not in self._ready and self._error is None:
+                self._lock.wait()
+            self._raise_if_failed()
+            produced = self._ready.pop(step)
+            depth = len(self._ready)
+            engine_idle, self.engine_idle_s = self.engine_idle_s, 0.0
+        got = produced.collected
+        staleness = (step - 1) - produced.version
+        stale = 0
+        if staleness > self.max_staleness:  # drop, and count, every sample of the batch
+            stale = len(got.rollouts)
+            got = Collected(rollouts=got.rollouts, scores=got.scores, rounds=got.rounds)
+        return got, {
+            "async/staleness": float(staleness),
+            "async/weight_version": float(produced.version),
+            "async/queue_depth": float(depth),
+            "samples/stale": stale,
+            "timing_s/trainer_idle": time.perf_counter() - t0,
+            "timing_s/engine_idle": engine_idle,
+        }
+
+    def publish(self, version: int, weights: dict) -> None:
+        """The trainer's weights after update ``version`` (tensors the trainer will not
+        modify: pass copies)."""
+        with self._lock:
+            self._published[version] = weights
+            self._trained = version
+            self._lock.notify_all()
+
+    def source_state(self, next_step: int) -> dict:
+        """The data cursor a checkpoint after step ``next_step - 1`` must record: the one
+        before the prompts of ``next_step`` were drawn (later batches are regenerated)."""
+        with self._lock:
+            if next_step in self._cursors:
+                return self._cursors[next_step]
+            return self.parts.source.state_dict()  # generation has not drawn them yet
+
+    def close(self) -> int:
+        """Stops both threads; returns the samples generated but not taken (discarded)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._threads[0].join()
+        while self._threads[1].is_alive():  # a dead scorer leaves the queue full
+            try:
+                self._to_score.put(STOP, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._threads[1].join()
+        with self._lock:
+            return sum(len(p.collected.rollouts) for p in self._ready.values())
+
+    # -- the threads --------------------------------------------------------------------
+
+    def _guard(self, target):
+        def run():
+            try:
+                target()
+            except BaseException as err:  # noqa: BLE001 - handed to the trainer's thread
+                with self._lock:
+                    self._error = err
+                    self._lock.notify_all()
+
+        return run
+
+    def _raise_if_failed(self) -> None:
+        """Re-raises a thread's exception in the trainer's thread, as it was (a reward or
+        engine error then stops the run exactly as under the sync schedule)."""
+        if self._error is not None:
+            raise self._error
+
+    def _weights_for(self, step: int) -> int | None:
+        """The version step ``step`` samples with, once admitted; None while it must wait."""
+        oldest = max(self.start, step - 1 - self.max_staleness)
+        if self._trained < oldest:
+            return None
+        return oldest if self.mode == "one_step" else self._trained
+
+    def _generate(self) -> None:
+        for step in range(self.start + 1, self.total + 1):
+            waited = time.perf_counter()
+            with self._lock:
+                while not self._stopping and (version := self._weights_for(step)) is None:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                weights = self._published[version]
+                for old in [v for v in self._published if v < version]:
+                    del self._published[old]  # never needed again: versions only grow
+                self.engine_idle_s += time.perf_counter() - waited
+                self._cursors[step] = self.parts.source.state_dict()
+                for old in [s for s in self._cursors if s < step - self.max_staleness - 2]:
+                    del self._cursors[old]
+            if version != self.engine.weight_version:
+                self.engine.load_weights(version, weights)
+            prompts = self.parts.source.next_batch()
+            generated = generate_round(self.parts, prompts, 0, self.seed_of(step))
+            while not self._stopping:  # the scorer may be busy, or gone after an error
+                try:
+                    self._to_score.put((step, version, generated), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def _score(self) -> None:
+        while (item := self._to_score.get()) is not STOP:
+            step, version, generated = item
+            out = Collected()
+            score_round(self.config, self.parts, generated, out)
+            with self._lock:
+                cursor = self._cursors[step]
+                self._ready[step] = Produced(step, version, cursor, out)
+                self._lock.notify_all()
+
+
+def check_supported(config: Config) -> str | None:
+    """Why ``config`` cannot run under its (non-sync) schedule, or None."""
+    if config.algorithm.dynamic_sampling:
+        return "algorithm.dynamic_sampling"
+    if config.algorithm.advantage == "remax":
+        return "algorithm.advantage=remax"
+    return None
