@@ -5,6 +5,7 @@
     honing checkpoints RUN_DIR
     honing serve verifier [--host H] [--port P] [--workers N] [--token T] [...]
     honing serve reward-model --model PATH [--host H] [--port P] [--token T] [...]
+    honing serve rollout --model PATH [--host H] [--port P] [--token T] [...]
     honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
     honing report RUN_DIR
 
@@ -101,6 +102,22 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default=0.0,
         help="hold each request this long before scoring (to measure slow scoring)",
     )
+    rollout = kinds.add_parser(
+        "rollout", help="a policy behind the OpenAI completions API, with weight updates"
+    )
+    rollout.add_argument("--model", required=True, help="local model directory or builtin:tiny")
+    rollout.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    rollout.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    rollout.add_argument("--max-seq-len", type=int, default=4096, help="prompt + response")
+    rollout.add_argument("--name", default="", help="served model name (default: the path)")
+    rollout.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    rollout.add_argument(
+        "--exit-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fault injection: die without answering the N-th completion request",
+    )
     model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
     model.add_argument("--model", required=True, help="local Hugging Face model directory")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -109,14 +126,17 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--max-wait-ms", type=float, default=5.0, help="how long a batch waits to fill"
     )
     model.add_argument("--max-length", type=int, default=2048, help="tokens per item")
-    for sub in (verifier, model):
+    for sub in (verifier, model, rollout):
         sub.add_argument("--host", default="127.0.0.1", help="default: loopback only")
         sub.add_argument("--port", type=int, default=8080)
+        variable = "HONING_ROLLOUT_TOKEN" if sub is rollout else "HONING_VERIFIER_TOKEN"
         sub.add_argument(
             "--token",
-            default=os.environ.get("HONING_VERIFIER_TOKEN", ""),
-            help="require 'Authorization: Bearer TOKEN' (default: $HONING_VERIFIER_TOKEN)",
+            default=os.environ.get(variable, ""),
+            help=f"require 'Authorization: Bearer TOKEN' (default: ${variable})",
         )
+        if sub is rollout:
+            continue
         sub.add_argument("--max-concurrency", type=int, default=8, help="requests scored at once")
         sub.add_argument(
             "--max-queue", type=int, default=64, help="requests waiting; more are refused with 503"
@@ -127,6 +147,44 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
+    if ns.service == "rollout":
+        app = _rollout_app(ns)
+        path = "/v1/completions"
+    else:
+        app = _scoring_app(ns)
+        path = "/score"
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.token:
+        print(f"honing: warning: serving on {ns.host} without --token", file=sys.stderr)
+    print(f"honing {ns.service}: http://{ns.host}:{ns.port}{path}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    return 0
+
+
+def _rollout_app(ns: argparse.Namespace):
+    from honing.config import build_config
+    from honing.host import configure_host
+    from honing.models.loading import load_causal_lm, load_tokenizer, resolve_device
+    from honing.pipeline.components import resolve_model_path
+    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.services.rollout import rollout_app
+
+    configure_host(ns.threads)
+    config = build_config({"model.path": ns.model})
+    path = resolve_model_path(config, log=lambda message: print(message, file=sys.stderr))
+    device = resolve_device(ns.device)
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, tokenizer, dtype=ns.dtype, device=device)
+    engine = TransformersEngine(model.eval(), tokenizer, device=device)
+    return rollout_app(
+        engine,
+        model_name=ns.name or ns.model,
+        max_seq_len=ns.max_seq_len,
+        token=ns.token,
+        exit_after=ns.exit_after,
+    )
+
+
+def _scoring_app(ns: argparse.Namespace):
     guards = {
         "token": ns.token,
         "max_concurrency": ns.max_concurrency,
@@ -159,11 +217,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             max_length=ns.max_length,
             **guards,
         )
-    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.token:
-        print(f"honing: warning: serving on {ns.host} without --token", file=sys.stderr)
-    print(f"honing {ns.service}: http://{ns.host}:{ns.port}/score", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
-    return 0
+    return app
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:

@@ -73,7 +73,19 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = _opt("transformers", choices=("transformers",))
+    # transformers: in-process; openai: remote servers speaking the OpenAI completions API
+    # with token ids and logprobs (vLLM, SGLang, honing serve rollout)
+    engine: str = _opt("transformers", choices=("transformers", "openai"))
+    endpoints: str = _opt("")  # openai: server URLs, comma-separated
+    model_name: str = _opt("")  # openai: the served model's name (default: the first served)
+    timeout_s: float = _opt(600.0, gt=0.0)  # openai: one completion request
+    retries: int = _opt(2, ge=0)  # openai: other endpoints tried for a failed request
+    max_concurrency: int = _opt(16, ge=1)  # openai: requests in flight at once
+    # openai: how new weights reach the servers: tensors (POST /update_weights, honing's
+    # server), disk (write weight_dir/vN, POST /update_weights_from_disk: SGLang, honing's),
+    # none (the servers keep their weights: evaluation or an external sync)
+    weight_sync: str = _opt("tensors", choices=("tensors", "disk", "none"))
+    weight_dir: str = _opt("")  # disk: a directory the servers can read
     batch_size: int = _opt(16, ge=1)  # prompts per step
     group_size: int = _opt(8, ge=1)  # samples per prompt
     max_new_tokens: int = _opt(8, ge=1)
@@ -131,7 +143,9 @@ class AlgorithmConfig:
     max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling
     mask_truncated: bool = _opt(False)  # no gradient from responses cut at max_new_tokens
     # Truncated importance sampling against the engine/trainer gap: min(pi_old / mu, tis_cap).
-    tis_level: str = _opt("none", choices=("none", "token", "sequence"))
+    # auto: token under schedule.mode one_step / async (rollouts sampled by an older
+    # version), none under sync
+    tis_level: str = _opt("auto", choices=("auto", "none", "token", "sequence"))
     tis_cap: float = _opt(2.0, gt=0.0)
 
 

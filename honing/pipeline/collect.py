@@ -39,6 +39,7 @@ class Collected:
     reward_counters: Counter = field(default_factory=Counter)  # client: errors, retries, ...
     baselines: dict[int, float] = field(default_factory=dict)  # remax: greedy score by group
     groups_kept: int = 0
+    regenerated: int = 0
 
 
 def _is_uniform(scores: list[Score]) -> bool:
@@ -66,6 +67,7 @@ class Generated:
     requests: list[GenerationRequest]
     rollouts: list[Rollout]
     seconds: float
+    regenerated: int = 0  # samples lost with a failed engine and generated again elsewhere
 
 
 def generate_round(parts: Components, prompts: list, round_index: int, seed: int) -> Generated:
@@ -75,10 +77,12 @@ def generate_round(parts: Components, prompts: list, round_index: int, seed: int
         GenerationRequest(p.id, parts.prompt_ids[p.id], base + i) for i, p in enumerate(prompts)
     ]
     t0 = time.perf_counter()
+    lost_before = getattr(parts.engine, "regenerated", 0)  # remote engines: failed requests
     rollouts = parts.engine.generate(
         requests, replace(parts.train_sampling, seed=seed + round_index)
     )
-    return Generated(prompts, requests, rollouts, time.perf_counter() - t0)
+    regenerated = getattr(parts.engine, "regenerated", 0) - lost_before
+    return Generated(prompts, requests, rollouts, time.perf_counter() - t0, regenerated)
 
 
 def score_round(config: Config, parts: Components, generated: Generated, out: Collected) -> None:
@@ -92,6 +96,7 @@ def score_round(config: Config, parts: Components, generated: Generated, out: Co
     out.reward_counters.update(parts.scorer.last_metrics)
     out.reward_seconds += time.perf_counter() - t1
     out.gen_seconds += generated.seconds
+    out.regenerated += generated.regenerated
     out.rounds += 1
     _shape(config, rollouts, scores)
     if algo.advantage == "remax":

@@ -30,7 +30,7 @@ from honing.models.loading import (
 )
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rewards import Scorer, format_reward, numeric_reward, parse_number
-from honing.rollout.base import SamplingParams
+from honing.rollout.base import RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
 from honing.trainer.optim import build_optimizer
@@ -53,7 +53,8 @@ class Components:
     tokenizer: object
     policy: torch.nn.Module
     reference: torch.nn.Module | None
-    engine: TransformersEngine
+    engine: RolloutEngine  # samples the training batches (in-process or remote)
+    val_engine: TransformersEngine  # in-process on the policy itself: validation
     scorer: Scorer
     train_prompts: list[Prompt]
     val_prompts: list[Prompt]
@@ -309,19 +310,22 @@ def build_components(config: Config, log=print) -> Components:
         schedule=t.lr_schedule,
         min_ratio=t.min_lr_ratio,
     )
+    local = TransformersEngine(
+        policy,
+        tokenizer,
+        device=device,
+        generation_batch=rollout.generation_batch,
+        fast_decode=rollout.fast_decode,
+    )
+    engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     return Components(
         model_path=model_path,
         device=device,
         tokenizer=tokenizer,
         policy=policy,
         reference=reference,
-        engine=TransformersEngine(
-            policy,
-            tokenizer,
-            device=device,
-            generation_batch=rollout.generation_batch,
-            fast_decode=rollout.fast_decode,
-        ),
+        engine=engine,
+        val_engine=local,
         scorer=scorer,
         train_prompts=train,
         val_prompts=val,
@@ -348,4 +352,30 @@ def build_components(config: Config, log=print) -> Components:
             config.algorithm.kl_target,
             config.algorithm.kl_horizon,
         ),
+    )
+
+
+def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
+    """``rollout.engine=openai``: the servers at ``rollout.endpoints``; they must serve the
+    policy's weights (``model.path``) and tokenizer."""
+    from honing.rollout.openai_engine import OpenAIEngine
+
+    rollout = config.rollout
+    endpoints = [url for url in rollout.endpoints.split(",") if url.strip()]
+    if not endpoints:
+        raise ConfigError("rollout.engine=openai needs rollout.endpoints (server URLs)")
+    if rollout.weight_sync == "disk" and not rollout.weight_dir:
+        raise ConfigError("rollout.weight_sync=disk needs rollout.weight_dir")
+    return OpenAIEngine(
+        endpoints,
+        local.tokenizer,
+        model=rollout.model_name,
+        timeout_s=rollout.timeout_s,
+        retries=rollout.retries,
+        max_concurrency=rollout.max_concurrency,
+        token=os.environ.get("HONING_ROLLOUT_TOKEN", ""),
+        stop_ids=local.stop_ids,
+        weight_sync=rollout.weight_sync,
+        weight_dir=rollout.weight_dir,
+        model_dir=str(model_dir),
     )

@@ -37,10 +37,19 @@ class Experience:
     returns: torch.Tensor | None = None  # [N, R] the critic's targets
 
 
+def tis_level(config: Config) -> str:
+    """``algorithm.tis_level`` with ``auto`` resolved: token-level truncated importance
+    sampling when rollouts come from an older policy version (one_step / async), else none."""
+    level = config.algorithm.tis_level
+    if level == "auto":
+        return "none" if config.schedule.mode == "sync" else "token"
+    return level
+
+
 def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bool:
     algo = config.algorithm
     return (
-        algo.tis_level != "none"
+        tis_level(config) != "none"
         or (algo.kl_in_reward and algo.kl_coef > 0)
         or parts.update.optimizer_steps_per_batch(batch_size) > 1
     )
@@ -110,12 +119,12 @@ def make_experience(
     if old_logprobs is not None:
         behaviour = batch.behaviour_logprobs
         metrics |= {k: float(v) for k, v in mismatch_metrics(old_logprobs, behaviour, mask).items()}
-        if algo.tis_level != "none":
+        if tis_level(config) != "none":
             advantages = advantages * truncated_importance_weights(
                 old_logprobs,
                 behaviour,
                 batch.response_mask,
-                level=algo.tis_level,
+                level=tis_level(config),
                 cap=algo.tis_cap,
             )
     return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns)

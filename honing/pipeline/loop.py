@@ -32,7 +32,7 @@ from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
 from honing.pipeline.producer import RolloutProducer, check_supported
-from honing.pipeline.state import load_training_state, save_training_state
+from honing.pipeline.state import load_training_state, save_training_state, send_weights
 from honing.trainer.critic import update_critic
 from honing.trainer.update import mini_batches, update_policy
 from honing.types import Rollout, Score
@@ -175,7 +175,7 @@ class TrainLoop:
         parts = self.parts
         sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
         return validate(
-            parts.engine,
+            parts.val_engine,
             parts.scorer,
             parts.val_prompts,
             parts.prompt_ids,
@@ -216,8 +216,10 @@ class TrainLoop:
         self._check_accounting(step, metrics)
         if parts.critic is None or step > cfg.trainer.critic_warmup_steps:
             parts.scheduler.step()  # the policy's schedule starts when the policy does
-        parts.engine.load_weights(step)
-        if self.producer is not None:
+        if self.producer is None:
+            send_weights(parts, step)
+        else:  # the producer's engine gets them on its own thread
+            parts.val_engine.load_weights(step)
             weights = {k: v.detach().clone() for k, v in parts.policy.state_dict().items()}
             self.producer.publish(step, weights)
         t_end = time.perf_counter()
@@ -309,6 +311,7 @@ class TrainLoop:
             "samples/filtered": sum(got.filtered.values()),
             "samples/score_errors": sum(not s.ok for s in scores),
             "samples/gen_rounds": got.rounds,
+            "samples/regenerated": got.regenerated,
             "reward/latency_p50_ms": latencies[(len(latencies) - 1) // 2],
             "reward/latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))],
             **got.reward_counters,

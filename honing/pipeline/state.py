@@ -153,5 +153,14 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     parts.source.load_state_dict(info["data"])
     parts.kl_controller.value = info.get("kl_coef", parts.kl_controller.value)
-    parts.engine.load_weights(info["step"])
+    send_weights(parts, int(info["step"]))
     return int(info["step"])
+
+
+def send_weights(parts: Components, version: int) -> None:
+    """Makes the engines sample from the policy's current weights as ``version``: the
+    in-process validation engine shares the module (it records the version); a remote
+    training engine is sent the weights."""
+    parts.val_engine.load_weights(version)
+    if parts.engine is not parts.val_engine:
+        parts.engine.load_weights(version, parts.policy.state_dict())

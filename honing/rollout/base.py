@@ -45,8 +45,15 @@ class RolloutEngine(Protocol):
 
     ``generate`` returns ``n`` rollouts per request, grouped by request, in request order.
     ``load_weights`` makes the engine sample from policy ``version`` from now on; an engine
-    that shares the trainer's module in-process only records the version.
+    that shares the trainer's module in-process (``shares_policy``) only records the version,
+    any other needs ``state_dict``. ``detached_copy`` gives an engine that can sample on
+    another thread while the trainer's module changes (itself, for remote engines).
     """
+
+    shares_policy: bool
+    weight_version: int
+
+    def detached_copy(self) -> RolloutEngine: ...
 
     def generate(
         self, requests: list[GenerationRequest], params: SamplingParams

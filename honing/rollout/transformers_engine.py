@@ -150,6 +150,7 @@ class TransformersEngine:
         self.device = device
         self.generation_batch = generation_batch
         self.weight_version = 0
+        self.shares_policy = True  # built on the trainer's module; a detached copy is not
         self.stop_ids = stop_token_ids(model, tokenizer)
         # transformers 5.x calls the KV cache argument `cache`; 4.x called it `past_key_values`.
         forward_args = inspect.signature(model.forward).parameters
@@ -174,6 +175,7 @@ class TransformersEngine:
             fast_decode=self.fast_decode_reason != "disabled",
         )
         engine.weight_version = self.weight_version
+        engine.shares_policy = False
         return engine
 
     def load_weights(self, version: int, state_dict: dict | None = None) -> None:

@@ -40,7 +40,8 @@ def test_one_step_samples_one_version_behind_and_is_deterministic(
 
 
 def test_one_step_first_step_equals_sync(tmp_path, micro_model_dir, digit_reward):
-    """Step 1 samples with the starting weights in both schedules: the same batch."""
+    """Step 1 samples with the starting weights in both schedules: the same batch (the loss
+    differs only by the importance weights of ``tis_level=auto``, ~1 on-policy)."""
     sync = run(tmp_path, micro_model_dir, digit_reward, "sync", **{"trainer.total_steps": 1})
     one = run(
         tmp_path,
@@ -49,8 +50,9 @@ def test_one_step_first_step_equals_sync(tmp_path, micro_model_dir, digit_reward
         "one",
         **{"trainer.total_steps": 1, "schedule.mode": "one_step"},
     )
-    for key in ("critic/score/mean", "actor/pg_loss", "response_length/mean"):
+    for key in ("critic/score/mean", "response_length/mean"):
         assert sync[0][key] == one[0][key], key
+    assert one[0]["actor/pg_loss"] == pytest.approx(sync[0]["actor/pg_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("staleness", [0, 2])

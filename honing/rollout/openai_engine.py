@@ -1,0 +1,385 @@
+"""A rollout engine on remote servers that speak the OpenAI-compatible completions API with
+token ids and logprobs: vLLM, SGLang, or ``honing serve rollout``.
+
+Each prompt's group is one request (``n = group_size``, the prompt sent as token ids), spread
+over the endpoints round-robin, several at once. Every choice must give its token ids
+(``token_ids``, or ``logprobs.tokens`` as ``"token_id:N"``, which vLLM returns with
+``return_tokens_as_token_ids``) and the sampling logprob of each token
+(``logprobs.token_logprobs``); the engine asks for both.
+
+Failures: a request that fails (connection refused or reset, timeout, HTTP 5xx or 429) is
+retried on another endpoint, up to ``retries`` times; the failing endpoint is set aside for
+``cooldown_s`` and comes back after a successful ``GET /health``. The samples of a failed
+request are generated again elsewhere and counted (``regenerated``); when no endpoint is left
+the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx answer (a bad
+request) is not retried: it raises at once with the server's message.
+
+Weights: ``load_weights(version, state_dict)`` sends the tensors as one safetensors body to
+``POST /update_weights?version=V`` on every endpoint (honing's server); with
+``weight_sync="disk"``, ``load_weights_from_disk`` posts ``{"model_path", "version"}`` to
+``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.types import Rollout
+
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+class EngineUnavailable(RuntimeError):
+    """No endpoint could serve a request."""
+
+
+class EngineRequestError(ValueError):
+    """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    down_until: float = 0.0
+    last_error: str = ""
+    failures: int = 0
+    version: int = 0  # the weight version it was last sent (or says it holds)
+
+
+class OpenAIEngine:
+    """Samples completions from OpenAI-compatible completion servers (see the module).
+
+    Args:
+        endpoints: base URLs (``http://host:port``; a trailing ``/v1`` is accepted).
+        tokenizer: the policy's tokenizer (decodes text when a server omits it).
+        model: the served model name; default: the first of ``GET /v1/models``.
+        timeout_s: per request. retries: other endpoints tried for a failed request.
+        max_concurrency: requests in flight at once. token: bearer token, if the servers
+            require one. stop_ids: token ids that end a response (counted as ``stop``).
+    """
+
+    shares_policy = False  # weights must be sent: the servers hold their own copies
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        tokenizer,
+        *,
+        model: str = "",
+        timeout_s: float = 600.0,
+        retries: int = 2,
+        max_concurrency: int = 16,
+        cooldown_s: float = 5.0,
+        token: str = "",
+        stop_ids: set[int] | None = None,
+        weight_sync: str = "tensors",
+        weight_dir: str = "",
+        model_dir: str = "",
+    ):
+        if not endpoints:
+            raise ValueError("rollout.endpoints is empty; give at least one server URL")
+        self.endpoints = [_Endpoint(_base_url(url)) for url in endpoints]
+        self.tokenizer = tokenizer
+        self.retries, self.cooldown_s = retries, cooldown_s
+        self.stop_ids = stop_ids or {tokenizer.eos_token_id}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
+        self.weight_version = 0
+        self.weight_sync, self.weight_dir, self.model_dir = weight_sync, weight_dir, model_dir
+        self.regenerated = 0  # samples generated again after their request failed
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # one weight upload at a time
+        self._latest: tuple[str, object] | None = None  # ("tensors", body) or ("disk", path)
+        self.model = model or self._served_model()
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        started = time.perf_counter()
+        futures = [
+            self.pool.submit(self._complete, request, params, index)
+            for index, request in enumerate(requests)
+        ]
+        choices = [future.result() for future in futures]
+        seconds = time.perf_counter() - started
+        rollouts = []
+        for request, (group, version) in zip(requests, choices, strict=True):
+            for choice in group:
+                rollouts.append(self._rollout(request, choice, version, seconds))
+        return rollouts
+
+    def _payload(self, request: GenerationRequest, params: SamplingParams, index: int) -> dict:
+        budget = min(params.max_new_tokens, params.max_seq_len - len(request.prompt_ids))
+        if budget < 1:
+            raise ValueError(
+                f"prompt {request.prompt_id} has {len(request.prompt_ids)} tokens; "
+                f"rollout.max_seq_len is {params.max_seq_len} (raise it or shorten the prompt)"
+            )
+        return {
+            "model": self.model,
+            "prompt": list(request.prompt_ids),
+            "n": params.n,
+            "max_tokens": budget,
+            "temperature": 0.0 if params.greedy else params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "seed": (params.seed * 1_000_003 + index) % (2**31),  # per prompt, reproducible
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": sorted(self.stop_ids),
+        }
+
+    def _complete(self, request: GenerationRequest, params: SamplingParams, index: int):
+        payload = self._payload(request, params, index)
+        errors = []
+        for attempt in range(self.retries + 1):
+            endpoint = self._pick()
+            try:
+                answer = self._post(endpoint, "/v1/completions", json=payload)
+            except _Retryable as err:
+                errors.append(f"{endpoint.url}: {err}")
+                self._set_aside(endpoint, str(err))
+                continue
+            if attempt:
+                with self._lock:
+                    self.regenerated += params.n
+            choices = answer.get("choices") or []
+            if len(choices) != params.n:
+                raise EngineRequestError(
+                    f"{endpoint.url} answered {len(choices)} choices for n={params.n}"
+                )
+            return choices, answer.get("weight_version", self.weight_version)
+        raise EngineUnavailable(
+            f"no rollout endpoint could serve prompt {request.prompt_id} after "
+            f"{self.retries + 1} attempts: " + "; ".join(errors)
+        )
+
+    def _rollout(self, request: GenerationRequest, choice: dict, version: int, seconds: float):
+        ids = choice.get("token_ids")
+        logprobs = choice.get("logprobs") or {}
+        if ids is None:
+            ids = [_token_id(token) for token in logprobs.get("tokens") or []]
+        values = logprobs.get("token_logprobs")
+        if values is None or len(values) != len(ids):
+            raise EngineRequestError(
+                "a completion came without a logprob per token; the server must return "
+                "logprobs.token_logprobs (request logprobs=0)"
+            )
+        reason = choice.get("finish_reason") or "length"
+        if reason not in ("stop", "length"):
+            reason = "abort"
+        text = choice.get("text")
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Rollout(
+            prompt_id=request.prompt_id,
+            group_index=request.group_index,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=[int(i) for i in ids],
+            behaviour_logprobs=[float(v) for v in values],
+            finish_reason=reason,
+            weight_version=int(version),
+            text=text,
+            gen_seconds=seconds,
+        )
+
+    # -- weights --------------------------------------------------------------------------
+
+    def detached_copy(self) -> OpenAIEngine:
+        return self  # the servers hold their own copies of the weights already
+
+    def load_weights(self, version: int, state_dict: dict | None = None) -> None:
+        """Has every endpoint sample from ``state_dict`` from now on, per ``weight_sync``:
+        ``tensors`` posts them as one safetensors body to ``/update_weights``; ``disk`` writes
+        them (with ``model_dir``'s config and tokenizer files) to ``weight_dir/v<version>``
+        and posts that path to ``/update_weights_from_disk``; ``none`` sends nothing.
+
+        An endpoint that is down is set aside and sent the newest weights when it is back,
+        before it serves a request; when no endpoint takes them, ``EngineUnavailable``."""
+        if state_dict is not None and self.weight_sync != "none":
+            tensors = _unshared(state_dict)
+            if self.weight_sync == "disk":
+                self._latest = ("disk", str(self._write_weights(version, tensors)))
+            else:
+                from safetensors.torch import save
+
+                self._latest = ("tensors", save(tensors))
+            self.weight_version = version
+            errors = []
+            for endpoint in self.endpoints:
+                if endpoint.down_until > time.monotonic():  # synced when it is back
+                    errors.append(f"{endpoint.url}: set aside ({endpoint.last_error})")
+                    continue
+                try:
+                    self._send_latest(endpoint)
+                except _Retryable as err:
+                    errors.append(f"{endpoint.url}: {err}")
+                    self._set_aside(endpoint, str(err))
+            if len(errors) == len(self.endpoints):
+                raise EngineUnavailable(
+                    "no rollout endpoint took the new weights: " + "; ".join(errors)
+                )
+            if self.weight_sync == "disk":
+                current = Path(self._latest[1])
+                for old in current.parent.glob("v*"):  # the live servers have the new one
+                    if old != current and old.name[1:].isdigit():
+                        shutil.rmtree(old, ignore_errors=True)
+        else:  # nothing to send: the version is all that moves
+            for endpoint in self.endpoints:
+                endpoint.version = version
+        self.weight_version = version
+
+    def _send_latest(self, endpoint: _Endpoint) -> None:
+        """Sends the newest weights to ``endpoint`` unless it has them."""
+        kind, payload = self._latest
+        version = self.weight_version
+        if endpoint.version == version:
+            return
+        if kind == "disk":
+            body = {"model_path": payload, "version": version}
+            self._post(endpoint, "/update_weights_from_disk", json=body)
+        else:
+            self._post(endpoint, f"/update_weights?version={version}", content=payload)
+        endpoint.version = version
+
+    def _write_weights(self, version: int, tensors: dict) -> Path:
+        """``weight_dir/v<version>``: the weights and the model's other files, complete
+        before it takes its name."""
+        from safetensors.torch import save_file
+
+        root = Path(self.weight_dir)
+        final, partial = root / f"v{version}", root / f".v{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        if self.model_dir:
+            for item in Path(self.model_dir).iterdir():
+                if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
+                    shutil.copy2(item, partial / item.name)
+        save_file(tensors, partial / "model.safetensors")
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        return final
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    def _served_model(self) -> str:
+        for endpoint in self.endpoints:
+            try:
+                data = self._get(endpoint, "/v1/models").get("data") or []
+            except (_Retryable, EngineRequestError):
+                continue
+            if data:
+                return str(data[0]["id"])
+        raise EngineUnavailable(
+            "no rollout endpoint answered GET /v1/models: "
+            + "; ".join(f"{e.url} ({e.last_error or 'no models'})" for e in self.endpoints)
+        )
+
+    def _pick(self) -> _Endpoint:
+        """The next endpoint in turn that is not set aside and has the newest weights; one set
+        aside whose cool-down is over comes back once ``/health`` answers and it has taken the
+        newest weights (a restarted server starts from its own)."""
+        now = time.monotonic()
+        count = len(self.endpoints)
+        start = next(self._turn)
+        for offset in range(count):
+            endpoint = self.endpoints[(start + offset) % count]
+            if endpoint.down_until > now or (endpoint.failures and not self._healthy(endpoint)):
+                continue
+            if self._latest is not None and endpoint.version != self.weight_version:
+                with self._sync_lock:
+                    try:
+                        self._send_latest(endpoint)
+                    except _Retryable as err:
+                        self._set_aside(endpoint, str(err))
+                        continue
+            return endpoint
+        raise EngineUnavailable(
+            "every rollout endpoint is down: "
+            + "; ".join(f"{e.url} ({e.last_error})" for e in self.endpoints)
+        )
+
+    def _healthy(self, endpoint: _Endpoint) -> bool:
+        try:
+            answer = self._get(endpoint, "/health")
+        except (_Retryable, EngineRequestError) as err:
+            self._set_aside(endpoint, str(err))
+            return False
+        if "weight_version" in answer:  # honing's server says which weights it holds
+            endpoint.version = int(answer["weight_version"])
+        endpoint.failures = 0
+        return True
+
+    def _set_aside(self, endpoint: _Endpoint, error: str) -> None:
+        with self._lock:
+            endpoint.failures += 1
+            endpoint.last_error = error
+            endpoint.down_until = time.monotonic() + self.cooldown_s
+
+    def _get(self, endpoint: _Endpoint, path: str) -> dict:
+        return self._send("GET", endpoint, path)
+
+    def _post(self, endpoint: _Endpoint, path: str, **kwargs) -> dict:
+        return self._send("POST", endpoint, path, **kwargs)
+
+    def _send(self, method: str, endpoint: _Endpoint, path: str, **kwargs) -> dict:
+        try:
+            response = self.client.request(method, endpoint.url + path, **kwargs)
+        except httpx.HTTPError as err:  # connection refused or reset, timeout
+            raise _Retryable(f"{type(err).__name__}: {err}") from None
+        if response.status_code in RETRYABLE_STATUS:
+            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code >= 400:
+            raise EngineRequestError(
+                f"{endpoint.url}{path} refused the request (HTTP {response.status_code}): "
+                f"{response.text[:300]}"
+            )
+        return response.json()
+
+
+class _Retryable(Exception):
+    """A failure another endpoint (or a later try) may not have."""
+
+
+def _base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _token_id(token: str) -> int:
+    if isinstance(token, str) and token.startswith("token_id:"):
+        return int(token.split(":", 1)[1])
+    raise EngineRequestError(
+        f"a completion gave token {token!r} without its id; start vLLM with "
+        "--return-tokens-as-token-ids or use a server that returns token_ids"
+    )
+
+
+def _unshared(state_dict: dict) -> dict:
+    """The tensors on the CPU, one name per storage: tied weights (an embedding shared with the
+    output head) are sent once; the server's own tie carries them to the other name."""
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().contiguous().cpu()
+    return tensors

@@ -1,0 +1,246 @@
+"""``honing serve rollout``: honing's rollout engine behind the OpenAI-compatible completions
+API that vLLM and SGLang servers expose, plus weight updates, so that remote rollout engines
+(``rollout.engine=openai``) are tested end to end on loopback.
+
+Endpoints:
+- ``POST /v1/completions``: ``prompt`` as token ids (``[int]`` or ``[[int], ...]``) or text
+  (``str`` or ``[str]``), ``n``, ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``,
+  ``top_k`` (vLLM's extension; -1 or 0 = off), ``seed``, ``logprobs``. Each choice carries
+  ``token_ids`` (as vLLM's ``return_token_ids``), ``logprobs.tokens`` as ``"token_id:N"``
+  (as vLLM's ``return_tokens_as_token_ids``), ``logprobs.token_logprobs`` (the sampling
+  logprob of each token), ``finish_reason`` (``stop`` | ``length``) and ``text``; choices are
+  ordered prompt by prompt, ``n`` each. The answer also says ``weight_version``.
+- ``POST /update_weights_from_disk`` ``{"model_path": DIR, "version": V}``: loads the
+  safetensors weights of a checkpoint or model directory (SGLang's endpoint name and body).
+- ``POST /update_weights?version=V``: a safetensors file as the body (weights sent over HTTP).
+- ``GET /health``, ``GET /v1/models``.
+
+One generation runs at a time (the engine batches each request's prompts); requests wait
+their turn on a thread, so health checks answer while a batch generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from honing.rollout.base import GenerationRequest, SamplingParams
+
+
+class BadRequest(ValueError):
+    """A request the server cannot serve; the message names the field."""
+
+
+def sampling_from_request(body: dict[str, Any], max_seq_len: int) -> SamplingParams:
+    """The OpenAI/vLLM sampling fields of ``body`` as honing's ``SamplingParams``."""
+
+    def number(key: str, default, kind=float):
+        value = body.get(key, default)
+        if value is None:
+            return default
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{key}: expected a number, got {value!r}") from None
+
+    temperature = number("temperature", 1.0)
+    top_k = number("top_k", -1, int)
+    n = number("n", 1, int)
+    if n < 1:
+        raise BadRequest(f"n: expected >= 1, got {n}")
+    return SamplingParams(
+        n=n,
+        max_new_tokens=max(number("max_tokens", 16, int), 1),
+        max_seq_len=max_seq_len,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=max(top_k, 0),
+        top_p=number("top_p", 1.0),
+        greedy=temperature <= 0,
+        seed=number("seed", 0, int),
+    )
+
+
+def prompts_from_request(body: dict[str, Any], tokenizer) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("prompt: expected token ids, a list of them, or text")
+    rows = []
+    for item in prompt:
+        if isinstance(item, str):
+            rows.append(tokenizer(item, add_special_tokens=False)["input_ids"])
+        elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
+            rows.append(item)
+        else:
+            raise BadRequest(f"prompt: expected token ids or text, got {str(item)[:60]!r}")
+    return rows
+
+
+def rollout_app(
+    engine,
+    *,
+    model_name: str,
+    max_seq_len: int = 4096,
+    token: str = "",
+    max_body_bytes: int = 4 << 30,
+    exit_after: int = 0,
+) -> FastAPI:
+    """The app over an in-process ``engine`` (a ``TransformersEngine``).
+
+    ``exit_after`` (fault injection): the process dies, without answering, on that
+    completion request, as a crashed or preempted engine would."""
+    app = FastAPI(title="honing rollout", docs_url=None, redoc_url=None)
+    turn = threading.Lock()  # one generation or weight load at a time
+    expected_auth = f"Bearer {token}".encode()
+    counters = {"requests": 0, "completions": 0, "errors": 0}
+
+    def refuse(code: int, message: str) -> JSONResponse:
+        counters["errors"] += 1
+        return JSONResponse({"error": {"message": message, "code": code}}, status_code=code)
+
+    def authorised(request: Request) -> bool:
+        given = request.headers.get("authorization", "").encode()
+        return not token or hmac.compare_digest(given, expected_auth)
+
+    def complete(body: dict[str, Any]) -> dict[str, Any]:
+        rows = prompts_from_request(body, engine.tokenizer)
+        params = sampling_from_request(body, max_seq_len)
+        requests = [GenerationRequest(str(i), ids, i) for i, ids in enumerate(rows)]
+        with turn:
+            rollouts = engine.generate(requests, params)
+            version = engine.weight_version
+        order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].group_index)
+        choices = []
+        for index, position in enumerate(order):
+            r = rollouts[position]
+            choices.append(
+                {
+                    "index": index,
+                    "text": r.text,
+                    "token_ids": r.response_ids,
+                    "finish_reason": r.finish_reason,
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in r.response_ids],
+                        "token_logprobs": r.behaviour_logprobs,
+                        "top_logprobs": None,
+                    },
+                }
+            )
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        prompt_tokens = sum(len(ids) for ids in rows)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "weight_version": version,
+        }
+
+    def load(path: Path | None, data: bytes | None, version: int) -> None:
+        from safetensors.torch import load, load_file
+
+        if path is not None:
+            shards = sorted(path.glob("*.safetensors"))
+            if not shards:
+                raise BadRequest(f"model_path: no *.safetensors files in {path}")
+            weights = {}
+            for shard in shards:
+                weights.update(load_file(shard))
+        else:
+            try:
+                weights = load(data)
+            except Exception as err:  # noqa: BLE001 - any parse failure is the client's
+                raise BadRequest(f"body: not a safetensors file ({err})") from None
+        model = engine.model
+        own = model.state_dict()
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise BadRequest(f"weights do not fit the served model: unknown {unknown[:3]}")
+        with turn:
+            for name, tensor in weights.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+            engine.weight_version = version
+
+    async def run(function, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        if not authorised(request):
+            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        counters["requests"] += 1
+        if exit_after and counters["requests"] >= exit_after:
+            os._exit(17)
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("body: expected a JSON object")
+            answer = await run(complete, body)
+        except (BadRequest, ValueError) as err:
+            return refuse(400, str(err))
+        counters["completions"] += len(answer["choices"])
+        return JSONResponse(answer)
+
+    @app.post("/update_weights_from_disk")
+    async def from_disk(request: Request) -> JSONResponse:
+        if not authorised(request):
+            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        try:
+            body = await request.json()
+            path = Path(str(body.get("model_path", "")))
+            if not path.is_dir():
+                raise BadRequest(f"model_path: {path} is not a directory on the server")
+            version = int(body.get("version", engine.weight_version + 1))
+            await run(load, path, None, version)
+        except (BadRequest, ValueError) as err:
+            return refuse(400, str(err))
+        return JSONResponse({"success": True, "weight_version": version})
+
+    @app.post("/update_weights")
+    async def from_body(request: Request) -> JSONResponse:
+        if not authorised(request):
+            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > max_body_bytes:
+            return refuse(413, f"body of {declared} bytes is over the {max_body_bytes} limit")
+        try:
+            version = int(request.query_params.get("version", engine.weight_version + 1))
+            await run(load, None, await request.body(), version)
+        except (BadRequest, ValueError) as err:
+            return refuse(400, str(err))
+        return JSONResponse({"success": True, "weight_version": version})
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "service": "rollout",
+            "model": model_name,
+            "weight_version": engine.weight_version,
+            "fast_decode": engine.fast_decode_reason,
+            **counters,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+
+    return app

@@ -1,0 +1,234 @@
+"""Remote rollout engines: ``honing serve rollout`` processes on loopback, driven by
+``OpenAIEngine`` the way it would drive vLLM or SGLang servers."""
+
+import httpx
+import pytest
+import torch
+
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.openai_engine import EngineRequestError, EngineUnavailable, OpenAIEngine
+from honing.services.process import start_service
+
+CPU = torch.device("cpu")
+PROMPTS = ["12+34=", "7+8=", "55+45="]
+
+
+@pytest.fixture(scope="module")
+def servers(micro_model_dir):
+    started = [start_service("rollout", "--model", str(micro_model_dir)) for _ in range(2)]
+    yield [url for _, url in started]
+    for process, _ in started:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(micro_model_dir):
+    return load_tokenizer(micro_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(micro_model_dir, tokenizer):
+    return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU).eval()
+
+
+def requests_for(tokenizer):
+    return [
+        GenerationRequest(f"p{i}", tokenizer(text, add_special_tokens=False)["input_ids"], i)
+        for i, text in enumerate(PROMPTS)
+    ]
+
+
+def teacher_forced_logprobs(model, prompt_ids, response_ids):
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+
+
+def test_groups_come_back_with_token_ids_and_their_sampling_logprobs(servers, tokenizer, model):
+    engine = OpenAIEngine(servers, tokenizer)
+    params = SamplingParams(n=4, max_new_tokens=5, max_seq_len=64, seed=3)
+    rollouts = engine.generate(requests_for(tokenizer), params)
+    assert len(rollouts) == 12
+    assert [r.group_index for r in rollouts] == [0] * 4 + [1] * 4 + [2] * 4
+    for r in rollouts:
+        assert 1 <= len(r.response_ids) <= 5 and r.finish_reason in ("stop", "length")
+        want = teacher_forced_logprobs(model, r.prompt_ids, r.response_ids)
+        torch.testing.assert_close(torch.tensor(r.behaviour_logprobs), want, atol=1e-4, rtol=0)
+    again = engine.generate(requests_for(tokenizer), params)
+    assert [r.response_ids for r in again] == [r.response_ids for r in rollouts]  # seeded
+    engine.close()
+
+
+def test_weights_sent_as_tensors_and_from_disk_change_what_is_sampled(
+    servers, tokenizer, model, tmp_path
+):
+    greedy = SamplingParams(n=1, max_new_tokens=4, max_seq_len=64, greedy=True)
+    local = load_causal_lm(model.name_or_path, tokenizer, dtype="float32", device=CPU).eval()
+    with torch.no_grad():
+        for parameter in local.parameters():  # tied embeddings stay tied
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    changed = local.state_dict()
+    want = []
+    for request in requests_for(tokenizer):
+        with torch.no_grad():
+            ids = torch.tensor([request.prompt_ids])
+            for _ in range(4):
+                ids = torch.cat([ids, local(ids).logits[:, -1].argmax(-1, keepdim=True)], -1)
+        want.append(ids[0, len(request.prompt_ids) :].tolist())
+
+    for sync in ("tensors", "disk"):
+        engine = OpenAIEngine(
+            servers,
+            tokenizer,
+            weight_sync=sync,
+            weight_dir=str(tmp_path / "weights"),
+            model_dir=model.name_or_path,
+        )
+        engine.load_weights(7, changed)
+        rollouts = engine.generate(requests_for(tokenizer), greedy)
+        for r, tokens in zip(rollouts, want, strict=True):
+            stop = next((i + 1 for i, t in enumerate(tokens) if t in engine.stop_ids), 4)
+            assert r.response_ids == tokens[:stop], sync
+            assert r.weight_version == 7
+        engine.load_weights(0, model.state_dict())  # back, for the other tests
+        engine.close()
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v0"]  # others removed
+
+
+def test_a_dead_endpoint_is_set_aside_and_its_requests_regenerated(micro_model_dir, tokenizer):
+    process, url = start_service("rollout", "--model", str(micro_model_dir))
+    spare, spare_url = start_service("rollout", "--model", str(micro_model_dir))
+    try:
+        engine = OpenAIEngine([url, spare_url], tokenizer, cooldown_s=60)
+        params = SamplingParams(n=2, max_new_tokens=3, max_seq_len=64)
+        assert len(engine.generate(requests_for(tokenizer), params)) == 6
+        process.kill()
+        process.wait()
+        rollouts = engine.generate(requests_for(tokenizer) * 2, params)
+        assert len(rollouts) == 12  # every sample made, by the endpoint left
+        assert engine.regenerated >= 2 and engine.regenerated % 2 == 0
+        assert "ConnectError" in engine.endpoints[0].last_error
+        spare.kill()
+        spare.wait()
+        with pytest.raises(EngineUnavailable, match="down|no rollout endpoint"):
+            engine.generate(requests_for(tokenizer), params)
+    finally:
+        for p in (process, spare):
+            p.kill()
+            p.wait()
+
+
+def test_a_bad_request_is_not_retried(servers, tokenizer):
+    engine = OpenAIEngine(servers, tokenizer)
+    bad = httpx.post(f"{servers[0]}/v1/completions", json={"prompt": [], "n": 1})
+    assert bad.status_code == 400 and "prompt" in bad.text
+    engine.model = "whatever"  # accepted: honing's server serves one model under any name
+    request = GenerationRequest("p", [1] * 70, 0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([request], SamplingParams(max_seq_len=64))
+    engine.close()
+    with pytest.raises(EngineRequestError, match="token_id"):
+        from honing.rollout.openai_engine import _token_id
+
+        _token_id("hello")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_training_samples_from_the_servers_and_sends_them_each_version(
+    servers, micro_model_dir, digit_reward, tmp_path, mode
+):
+    import json
+
+    from honing.config import build_config
+    from honing.pipeline.run import train
+
+    cfg = build_config(
+        {
+            "model.path": str(micro_model_dir),
+            "reward.function": digit_reward,
+            "rollout.batch_size": 2,
+            "rollout.group_size": 3,
+            "rollout.max_new_tokens": 3,
+            "rollout.val_samples": 1,
+            "data.train_size": 40,
+            "data.val_size": 4,
+            "monitor.console": False,
+            "monitor.tensorboard": False,
+            "rollout.engine": "openai",
+            "rollout.endpoints": ",".join(servers),
+            "schedule.mode": mode,
+            "trainer.total_steps": 3,
+            "trainer.val_at_start": False,
+        }
+    )
+    train(cfg, tmp_path / "run", log=lambda message: None)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert (
+            m["samples/generated"]
+            == m["samples/trained"]
+            + m["samples/filtered"]
+            + m["samples/failed"]
+            + m["samples/stale"]
+        )
+    versions = {httpx.get(f"{url}/health").json()["weight_version"] for url in servers}
+    # sync sends every version after its update; async the one step 3 was sampled with
+    assert versions == {3} if mode == "sync" else len(versions) == 1 and versions <= {1, 2}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killing_one_of_two_engines_mid_run_loses_no_sample(
+    micro_model_dir, digit_reward, tmp_path, mode
+):
+    """The run goes on with the engine left; the samples of the request the dying engine
+    never answered are generated again and counted (samples/regenerated); the invariant
+    holds at every step. The victim dies on its 7th completion request (mid-step 3 or 4)."""
+    import json
+
+    from honing.config import build_config
+    from honing.pipeline.run import train
+
+    victim, victim_url = start_service(
+        "rollout", "--model", str(micro_model_dir), "--exit-after", "7"
+    )
+    spare, spare_url = start_service("rollout", "--model", str(micro_model_dir))
+    metrics_path = tmp_path / "run" / "metrics.jsonl"
+    try:
+        cfg = build_config(
+            {
+                "model.path": str(micro_model_dir),
+                "reward.function": digit_reward,
+                "rollout.batch_size": 4,
+                "rollout.group_size": 3,
+                "rollout.max_new_tokens": 3,
+                "rollout.val_samples": 1,
+                "data.train_size": 40,
+                "data.val_size": 4,
+                "monitor.console": False,
+                "monitor.tensorboard": False,
+                "rollout.engine": "openai",
+                "rollout.endpoints": f"{victim_url},{spare_url}",
+                "rollout.max_concurrency": 4,
+                "schedule.mode": mode,
+                "trainer.total_steps": 6,
+                "trainer.val_at_start": False,
+            }
+        )
+        train(cfg, tmp_path / "run", log=lambda message: None)
+    finally:
+        for process in (victim, spare):
+            process.kill()
+            process.wait()
+    assert victim.returncode == 17  # it died mid-run, as told
+    metrics = [m for m in map(json.loads, metrics_path.read_text().splitlines()) if m["step"]]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts) == 12
+    lost = sum(m["samples/regenerated"] for m in metrics)
+    assert lost >= 3 and lost % 3 == 0  # the groups it never answered (one, or two in flight)
