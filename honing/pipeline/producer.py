@@ -5,9 +5,12 @@ in the rollout engine:
 
 - generation, step after step: for step k it waits for admission, loads the weights it is
   to sample with, draws the step's prompts and samples the groups;
-- scoring: scores each generated round while the next one is being generated (a slow verifier
-  or reward service then overlaps generation and the update instead of stalling them), shapes
-  the rewards and files every sample as kept, filtered or failed (``collect.score_round``).
+- scoring, on ``max_staleness + 1`` threads (at most ``MAX_SCORERS``), each with its own
+  scorer (a scorer records per-call latencies and counters, so threads do not share one):
+  each generated batch is scored while the next ones are generated and scored (a slow
+  verifier or reward service then overlaps generation, other batches' scoring and the
+  update instead of stalling them), its rewards shaped and every sample filed as kept,
+  filtered or failed (``collect.score_round``).
 
 The trainer takes step k's batch in order (``take``), updates, and publishes the new weights
 (``publish``). A rollout made with weight version v is trained at step k with staleness
@@ -36,9 +39,10 @@ from dataclasses import dataclass, replace
 
 from honing.config import Config
 from honing.pipeline.collect import Collected, generate_round, score_round
-from honing.pipeline.components import Components
+from honing.pipeline.components import Components, build_scorer
 
-STOP = object()  # the scoring thread's end-of-work marker
+STOP = object()  # a scoring thread's end-of-work marker
+MAX_SCORERS = 4  # scoring threads at most (each holds a scorer: clients, worker pools)
 
 
 @dataclass
@@ -82,9 +86,18 @@ class RolloutProducer:
         self._stopping = False
         self.engine_idle_s = 0.0  # generation's waits for admission, since the last take
         self._to_score: queue.Queue = queue.Queue(maxsize=1)
+        count = min(self.max_staleness + 1, MAX_SCORERS)
+        self._scorers = [parts.scorer] + [build_scorer(config) for _ in range(count - 1)]
         self._threads = [
-            threading.Thread(target=self._guard(self._generate), name="honing-gen", daemon=True),
-            threading.Thread(target=self._guard(self._score), name="honing-score", daemon=True),
+            threading.Thread(target=self._guard(self._generate), name="honing-gen", daemon=True)
+        ] + [
+            threading.Thread(
+                target=self._guard(self._score),
+                args=(replace(self.parts, scorer=scorer),),
+                name=f"honing-score-{index}",
+                daemon=True,
+            )
+            for index, scorer in enumerate(self._scorers)
         ]
         for thread in self._threads:
             thread.start()
@@ -138,22 +151,27 @@ class RolloutProducer:
             self._stopping = True
             self._lock.notify_all()
         self._threads[0].join()
-        while self._threads[1].is_alive():  # a dead scorer leaves the queue full
-            try:
-                self._to_score.put(STOP, timeout=0.1)
-                break
-            except queue.Full:
-                continue
-        self._threads[1].join()
+        scoring = self._threads[1:]
+        for _ in scoring:
+            while any(thread.is_alive() for thread in scoring):  # dead scorers leave it full
+                try:
+                    self._to_score.put(STOP, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+        for thread in scoring:
+            thread.join()
+        for scorer in self._scorers[1:]:  # the first is the run's own, closed with the run
+            scorer.close()
         with self._lock:
             return sum(len(p.collected.rollouts) for p in self._ready.values())
 
     # -- the threads --------------------------------------------------------------------
 
     def _guard(self, target):
-        def run():
+        def run(*args):
             try:
-                target()
+                target(*args)
             except BaseException as err:  # noqa: BLE001 - handed to the trainer's thread
                 with self._lock:
                     self._error = err
@@ -200,11 +218,11 @@ class RolloutProducer:
                 except queue.Full:
                     continue
 
-    def _score(self) -> None:
+    def _score(self, parts: Components) -> None:
         while (item := self._to_score.get()) is not STOP:
             step, version, generated = item
             out = Collected()
-            score_round(self.config, self.parts, generated, out)
+            score_round(self.config, parts, generated, out)
             with self._lock:
                 cursor = self._cursors[step]
                 self._ready[step] = Produced(step, version, cursor, out)
