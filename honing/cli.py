@@ -242,6 +242,8 @@ def run_train(ns: argparse.Namespace) -> int:
 
     run_dir = ns.output_dir or default_output_dir(config_path)
     info = train(config, run_dir, resume=ns.resume)
+    if not info:  # a data-parallel rank other than 0: rank 0 reports
+        return 0
     print(f"run: {run_dir}")
     if "val_accuracy_start" in info:
         start, end = info["val_accuracy_start"], info["val_accuracy_end"]

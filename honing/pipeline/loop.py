@@ -47,8 +47,14 @@ class TrainLoop:
     """Runs steps ``start+1 .. total_steps`` of one run."""
 
     def __init__(
-        self, config: Config, parts: Components, logger: RunLogger, checkpoints: CheckpointManager
+        self,
+        config: Config,
+        parts: Components,
+        logger: RunLogger,
+        checkpoints: CheckpointManager,
+        data_parallel=None,
     ):
+        self.data_parallel = data_parallel  # rank 0's Leader under torchrun, else None
         self.config = config
         self.parts = parts
         self.logger = logger
@@ -156,6 +162,8 @@ class TrainLoop:
         scale accumulates over rollbacks); returns the checkpoint's step."""
         parts = self.parts
         step = load_training_state(parts, checkpoint)
+        if self.data_parallel is not None:
+            self.data_parallel.weights_changed()
         self.lr_scale *= changes.get("lr_scale", 1.0)
         scheduler = parts.scheduler
         scheduler.base_lrs = [lr * self.lr_scale for lr in scheduler.base_lrs]
@@ -267,6 +275,10 @@ class TrainLoop:
                 metrics["timing_s/update"] = time.perf_counter() - t_update
                 return metrics
         generator = torch.Generator().manual_seed(seed)
+        group = None
+        if self.data_parallel is not None:
+            self.data_parallel.update(batch, advantages, settings, old_logprobs, ref_logprobs, seed)
+            group = self.data_parallel.group
         metrics |= update_policy(
             parts.policy,
             parts.optimizer,
@@ -276,6 +288,7 @@ class TrainLoop:
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             generator=generator,
+            group=group,
         )
         metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
         metrics["timing_s/update"] = time.perf_counter() - t_update

@@ -21,6 +21,7 @@ from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.host import configure_host
 from honing.monitor import RunLogger
+from honing.pipeline import data_parallel
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.loop import TrainLoop
@@ -113,8 +114,17 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
     configure_host(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
     parts = build_components(config, log=log)
+    group = data_parallel.init(parts.device)  # torchrun with several ranks
     try:
-        return _train(config, run_dir, parts, checkpoints, checkpoint, log, events)
+        if group is not None and data_parallel.world()[0] != 0:
+            data_parallel.follow(parts, group)  # rank 0 logs and checkpoints
+            return {}
+        leader = data_parallel.Leader(group, parts) if group is not None else None
+        try:
+            return _train(config, run_dir, parts, checkpoints, checkpoint, log, events, leader)
+        finally:
+            if leader is not None:
+                leader.stop()
     finally:
         parts.scorer.close()
 
@@ -127,6 +137,7 @@ def _train(
     checkpoint: Path | None,
     log: Callable[[str], None],
     events: EventBuffer,
+    leader=None,
 ) -> dict:
     start, changed = 0, []
     if checkpoint is not None:
@@ -166,7 +177,7 @@ def _train(
                 f"the run is already at step {start} of trainer.total_steps="
                 f"{config.trainer.total_steps}; raise it to train further"
             )
-        TrainLoop(config, parts, logger, checkpoints).run(start)
+        TrainLoop(config, parts, logger, checkpoints, data_parallel=leader).run(start)
     result = summary(run_dir)
     write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
     return result

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from honing.trainer.batch import TrainBatch, response_logprobs
@@ -123,6 +124,7 @@ def update_policy(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    group=None,
 ) -> dict[str, float]:
     """Run the PPO epochs on ``batch``; returns the step's actor metrics as floats.
 
@@ -131,18 +133,30 @@ def update_policy(
 
     ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are [B, R] aligned with
     ``batch.responses``. ``old_logprobs`` may be None only for one optimizer step per batch.
+
+    Data parallel (``group``, a torch.distributed process group of W ranks, each called with
+    the same batch, model and optimizer state): rank r runs rows r, r + W, ... of each
+    mini-batch; losses are normalised by the whole mini-batch's counts as always, so summing
+    the ranks' gradients (one all-reduce per optimizer step) gives the single-process
+    gradient, and every rank takes the same optimizer step. Metrics are summed likewise.
     """
     generator = generator or torch.Generator().manual_seed(0)
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     model.train()
     totals: dict[str, torch.Tensor] = {}
     grad_norms = []
     optimizer_steps = skipped = 0
     for index in mini_batches(len(batch), settings, generator):
+        if len(index) < world:
+            raise ValueError(
+                f"a mini-batch of {len(index)} sequences cannot be shared by {world} "
+                "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
+            )
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
         optimizer.zero_grad(set_to_none=True)
-        for micro_index in torch.split(index, settings.micro_batch_size):
+        for micro_index in torch.split(index[rank::world], settings.micro_batch_size):
             micro = batch.select(micro_index)
             rows = _rows(micro_index, micro.responses.shape[1])
             contrib = micro_step(
@@ -156,6 +170,8 @@ def update_policy(
             )
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
+        if world > 1:
+            _sum_gradients(model, group)
         if settings.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         else:
@@ -170,7 +186,27 @@ def update_policy(
             continue
         grad_norms.append(norm)
         optimizer.step()
+    if world > 1:
+        totals = _summed(totals, group)
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     return metrics
+
+
+def _sum_gradients(model, group) -> None:
+    """All-reduce (sum) every parameter's gradient across ``group``, as one flat buffer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        param.grad = piece.view_as(param).clone()
+
+
+def _summed(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """The metric sums of every rank (each rank has the same names)."""
+    names = sorted(totals)
+    values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
+    dist.all_reduce(values, group=group)
+    return dict(zip(names, values, strict=True))

@@ -1,0 +1,113 @@
+"""Data-parallel training over torch.distributed, launched with torchrun:
+
+    torchrun --nproc_per_node N -m honing.cli train CONFIG [section.key=value ...] --output-dir DIR
+
+Rank 0 runs the whole loop (generation, scoring, logging, checkpoints). At each update it sends
+the step's experience (the padded batch, advantages, old and reference logprobs, the update
+settings, the learning rate and the shuffling seed) to the other ranks; every rank then runs
+``update_policy`` on its share of the rows, with gradients summed across ranks
+(``trainer.update``), so all ranks take the same optimizer step and keep the same weights.
+Whenever rank 0's weights change in another way (a resume, a rollback) it sends its weights
+and optimizer state with the next update. The other ranks write nothing.
+
+Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``). Not supported yet
+(a ``ConfigError`` says so): a critic (``algorithm.advantage=gae``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from honing.errors import ConfigError
+from honing.pipeline.components import Components
+from honing.trainer.update import update_policy
+
+TIMEOUT = timedelta(minutes=30)  # a rank waiting longer for the others fails
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) outside it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init(device: torch.device):
+    """Joins the process group when launched with several ranks; returns it (or None)."""
+    rank, size = world()
+    if size <= 1:
+        return None
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method="env://", timeout=TIMEOUT)
+    return dist.group.WORLD
+
+
+class Leader:
+    """Rank 0's side: sends each update's inputs (and, when needed, its whole state)."""
+
+    def __init__(self, group, parts: Components):
+        if parts.critic is not None:
+            raise ConfigError(
+                "data-parallel training with a critic (algorithm.advantage=gae) is not "
+                "supported yet; run one process"
+            )
+        self.group, self.parts = group, parts
+        self.send_state = True  # the others built their model from model.path: sync first
+
+    def weights_changed(self) -> None:
+        """Rank 0 loaded other weights (resume, rollback): send them with the next update."""
+        self.send_state = True
+
+    def update(self, batch, advantages, settings, old_logprobs, ref_logprobs, seed: int) -> None:
+        parts = self.parts
+        payload = {
+            "batch": batch,
+            "advantages": advantages,
+            "old": old_logprobs,
+            "ref": ref_logprobs,
+            "settings": settings,
+            "seed": seed,
+            "lr": [group["lr"] for group in parts.optimizer.param_groups],
+        }
+        if self.send_state:
+            payload["state"] = (parts.policy.state_dict(), parts.optimizer.state_dict())
+            self.send_state = False
+        dist.broadcast_object_list([payload], src=0, group=self.group)
+
+    def stop(self) -> None:
+        dist.broadcast_object_list([None], src=0, group=self.group)
+
+
+def follow(parts: Components, group) -> int:
+    """A rank other than 0: runs its share of every update until rank 0 stops; returns the
+    number of updates it took part in."""
+    updates = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        payload = box[0]
+        if payload is None:
+            return updates
+        if "state" in payload:
+            weights, optimizer_state = payload["state"]
+            parts.policy.load_state_dict(weights)
+            parts.optimizer.load_state_dict(optimizer_state)
+        for param_group, lr in zip(parts.optimizer.param_groups, payload["lr"], strict=True):
+            param_group["lr"] = lr
+        update_policy(
+            parts.policy,
+            parts.optimizer,
+            payload["batch"],
+            payload["advantages"],
+            payload["settings"],
+            old_logprobs=payload["old"],
+            ref_logprobs=payload["ref"],
+            generator=torch.Generator().manual_seed(payload["seed"]),
+            group=group,
+        )
+        updates += 1

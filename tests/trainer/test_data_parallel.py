@@ -1,0 +1,109 @@
+"""Data-parallel update: two gloo processes on the same batch end with the parameters and
+metrics of one process (within float tolerance), for several mini-batch / micro-batch splits."""
+
+import dataclasses
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.trainer.batch import collate
+from honing.trainer.update import UpdateSettings, update_policy
+
+from .test_update import PAD, make_rollouts
+
+CPU = torch.device("cpu")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _setup(model_dir: str):
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, tokenizer, dtype="float32", device=CPU)
+    batch = collate(make_rollouts(), pad_id=PAD, device=CPU)
+    gen = torch.Generator().manual_seed(1)
+    advantages = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
+    old = torch.randn(batch.responses.shape, generator=gen) * 0.1 - 2.0
+    ref = torch.randn(batch.responses.shape, generator=gen) * 0.1 - 2.0
+    return model, batch, advantages, old, ref
+
+
+def _run(model_dir: str, settings: UpdateSettings, group=None):
+    model, batch, advantages, old, ref = _setup(model_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the change is the gradient
+    metrics = update_policy(
+        model,
+        optimizer,
+        batch,
+        advantages,
+        settings,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        generator=torch.Generator().manual_seed(5),
+        group=group,
+    )
+    return model, metrics
+
+
+def _worker(rank: int, model_dir: str, settings: UpdateSettings, port: int, out: str):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        torch.set_num_threads(1)
+        model, metrics = _run(model_dir, settings, group=dist.group.WORLD)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save({"state": state, "metrics": metrics}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"mini_batch_sequences": 0, "micro_batch_size": 64},  # one step, one micro-batch a rank
+        {"mini_batch_sequences": 6, "micro_batch_size": 2, "ppo_epochs": 2},  # 4 steps
+    ],
+)
+def test_two_ranks_end_where_one_process_does(micro_model_dir, tmp_path, split):
+    settings = dataclasses.replace(
+        UpdateSettings(kl_coef=0.05, entropy_coef=0.01, grad_clip=1.0), **split
+    )
+    single, single_metrics = _run(str(micro_model_dir), settings)
+    out = str(tmp_path / "rank")
+    mp.spawn(_worker, args=(str(micro_model_dir), settings, _free_port(), out), nprocs=WORLD)
+    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    before = _setup(str(micro_model_dir))[0].state_dict()
+    moved = 0
+    for name, want in single.state_dict().items():
+        moved += bool((want - before[name]).abs().max() > 0)
+        for rank in ranks:
+            torch.testing.assert_close(rank["state"][name], want, atol=1e-6, rtol=1e-5)
+    assert moved >= len(before) // 2  # the update did change the weights
+    assert torch.equal(ranks[0]["state"]["lm_head.weight"], ranks[1]["state"]["lm_head.weight"])
+    for key, want in single_metrics.items():
+        for rank in ranks:
+            assert rank["metrics"][key] == pytest.approx(want, rel=1e-4, abs=1e-6), key
+    json.dumps(single_metrics)  # plain floats
+
+
+def test_a_mini_batch_smaller_than_the_ranks_is_refused(micro_model_dir, monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)  # before any collective
+    settings = UpdateSettings(mini_batch_sequences=1)
+    model, batch, advantages, old, _ = _setup(str(micro_model_dir))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="cannot be shared by 2 data-parallel ranks"):
+        update_policy(
+            model, optimizer, batch, advantages, settings, old_logprobs=old, group=object()
+        )
