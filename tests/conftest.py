@@ -41,3 +41,11 @@ def digit_reward(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("rewards") / "digit_reward.py"
     path.write_text(DIGIT_REWARD)
     return f"{path}:digit_fraction"
+
+
+@pytest.fixture
+def run_config():
+    """``small_run_config`` of the pipeline tests, for tests in other folders."""
+    from pipeline._configs import small_run_config
+
+    return small_run_config

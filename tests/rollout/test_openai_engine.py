@@ -138,31 +138,22 @@ def test_a_bad_request_is_not_retried(servers, tokenizer):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_training_samples_from_the_servers_and_sends_them_each_version(
-    servers, micro_model_dir, digit_reward, tmp_path, mode
+    servers, micro_model_dir, digit_reward, tmp_path, mode, run_config
 ):
     import json
 
-    from honing.config import build_config
     from honing.pipeline.run import train
 
-    cfg = build_config(
-        {
-            "model.path": str(micro_model_dir),
-            "reward.function": digit_reward,
-            "rollout.batch_size": 2,
-            "rollout.group_size": 3,
-            "rollout.max_new_tokens": 3,
-            "rollout.val_samples": 1,
-            "data.train_size": 40,
-            "data.val_size": 4,
-            "monitor.console": False,
-            "monitor.tensorboard": False,
+    cfg = run_config(
+        micro_model_dir,
+        digit_reward,
+        **{
             "rollout.engine": "openai",
             "rollout.endpoints": ",".join(servers),
             "schedule.mode": mode,
             "trainer.total_steps": 3,
             "trainer.val_at_start": False,
-        }
+        },
     )
     train(cfg, tmp_path / "run", log=lambda message: None)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -183,14 +174,13 @@ def test_training_samples_from_the_servers_and_sends_them_each_version(
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killing_one_of_two_engines_mid_run_loses_no_sample(
-    micro_model_dir, digit_reward, tmp_path, mode
+    micro_model_dir, digit_reward, tmp_path, mode, run_config
 ):
     """The run goes on with the engine left; the samples of the request the dying engine
     never answered are generated again and counted (samples/regenerated); the invariant
     holds at every step. The victim dies on its 7th completion request (mid-step 3 or 4)."""
     import json
 
-    from honing.config import build_config
     from honing.pipeline.run import train
 
     victim, victim_url = start_service(
@@ -199,25 +189,18 @@ def test_killing_one_of_two_engines_mid_run_loses_no_sample(
     spare, spare_url = start_service("rollout", "--model", str(micro_model_dir))
     metrics_path = tmp_path / "run" / "metrics.jsonl"
     try:
-        cfg = build_config(
-            {
-                "model.path": str(micro_model_dir),
-                "reward.function": digit_reward,
+        cfg = run_config(
+            micro_model_dir,
+            digit_reward,
+            **{
                 "rollout.batch_size": 4,
-                "rollout.group_size": 3,
-                "rollout.max_new_tokens": 3,
-                "rollout.val_samples": 1,
-                "data.train_size": 40,
-                "data.val_size": 4,
-                "monitor.console": False,
-                "monitor.tensorboard": False,
                 "rollout.engine": "openai",
                 "rollout.endpoints": f"{victim_url},{spare_url}",
                 "rollout.max_concurrency": 4,
                 "schedule.mode": mode,
                 "trainer.total_steps": 6,
                 "trainer.val_at_start": False,
-            }
+            },
         )
         train(cfg, tmp_path / "run", log=lambda message: None)
     finally:
