@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from honing.config import Config
@@ -79,7 +80,6 @@ class RolloutProducer:
         self._lock = threading.Condition()
         self._published: dict[int, dict | None] = {start: None}  # version -> weights
         self._trained = start  # the newest published version
-        self._next_gen = start + 1  # the step generation works on (or will)
         self._cursors: dict[int, dict] = {}  # step -> data cursor before its prompts
         self._ready: dict[int, Produced] = {}
         self._error: BaseException | None = None
@@ -119,7 +119,7 @@ class RolloutProducer:
         stale = 0
         if staleness > self.max_staleness:  # drop, and count, every sample of the batch
             stale = len(got.rollouts)
-            got = Collected(rollouts=got.rollouts, scores=got.scores, rounds=got.rounds)
+            got = replace(got, kept=[], failed=0, filtered=Counter(), groups_kept=0)
         return got, {
             "async/staleness": float(staleness),
             "async/weight_version": float(produced.version),

@@ -121,3 +121,28 @@ def test_unsupported_combinations_say_so(tmp_path, micro_model_dir, digit_reward
     cfg = small_run_config(micro_model_dir, digit_reward, **{"schedule.mode": "async", **override})
     with pytest.raises(ConfigError, match="not supported with schedule.mode=async"):
         train(cfg, tmp_path / "run", log=NO_LOG)
+
+
+def test_a_batch_staler_than_allowed_is_dropped_and_counted(micro_model_dir, digit_reward):
+    """Admission keeps this from happening in a run; should versions move backwards (a
+    remote engine behind), the whole batch is dropped and counted as stale, its timings and
+    latencies kept for the metrics."""
+    from honing.pipeline.collect import Collected
+    from honing.pipeline.components import build_components
+    from honing.pipeline.producer import Produced, RolloutProducer
+    from honing.types import Rollout, Score
+
+    cfg = small_run_config(
+        micro_model_dir, digit_reward, **{"schedule.mode": "async", "trainer.total_steps": 3}
+    )
+    parts = build_components(cfg, log=NO_LOG)
+    producer = RolloutProducer(cfg, parts, start=3, seed_of=lambda step: step)  # nothing to do
+    rollouts = [Rollout("p", 0, [5, 6], [7], [-0.5], "stop", 2, "7") for _ in range(3)]
+    scores = [Score(1.0) for _ in rollouts]
+    kept = list(zip(rollouts, scores, strict=True))
+    got = Collected(rollouts, scores, kept=kept, latencies_ms=[4.0])
+    producer._ready[6] = Produced(step=6, version=2, source_state={}, collected=got)
+    taken, metrics = producer.take(6)  # staleness (6 - 1) - 2 = 3 > max_staleness 1
+    assert producer.close() == 0
+    assert metrics["samples/stale"] == 3 and metrics["async/staleness"] == 3
+    assert taken.kept == [] and taken.rollouts == rollouts and taken.latencies_ms == [4.0]
