@@ -100,7 +100,8 @@ class OpenAIEngine:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one weight upload at a time
-        self._latest: tuple[str, object] | None = None  # ("tensors", body) or ("disk", path)
+        # The newest weights sent: (version, "tensors", body) or (version, "disk", path).
+        self._latest: tuple[int, str, object] | None = None
         self.model = model or self._served_model()
 
     # -- sampling -------------------------------------------------------------------------
@@ -212,12 +213,11 @@ class OpenAIEngine:
         if state_dict is not None and self.weight_sync != "none":
             tensors = _unshared(state_dict)
             if self.weight_sync == "disk":
-                self._latest = ("disk", str(self._write_weights(version, tensors)))
+                self._latest = (version, "disk", str(self._write_weights(version, tensors)))
             else:
                 from safetensors.torch import save
 
-                self._latest = ("tensors", save(tensors))
-            self.weight_version = version
+                self._latest = (version, "tensors", save(tensors))
             errors = []
             for endpoint in self.endpoints:
                 if endpoint.down_until > time.monotonic():  # synced when it is back
@@ -233,7 +233,7 @@ class OpenAIEngine:
                     "no rollout endpoint took the new weights: " + "; ".join(errors)
                 )
             if self.weight_sync == "disk":
-                current = Path(self._latest[1])
+                current = Path(self._latest[2])
                 for old in current.parent.glob("v*"):  # the live servers have the new one
                     if old != current and old.name[1:].isdigit():
                         shutil.rmtree(old, ignore_errors=True)
@@ -244,8 +244,7 @@ class OpenAIEngine:
 
     def _send_latest(self, endpoint: _Endpoint) -> None:
         """Sends the newest weights to ``endpoint`` unless it has them."""
-        kind, payload = self._latest
-        version = self.weight_version
+        version, kind, payload = self._latest
         if endpoint.version == version:
             return
         if kind == "disk":
@@ -303,7 +302,7 @@ class OpenAIEngine:
             endpoint = self.endpoints[(start + offset) % count]
             if endpoint.down_until > now or (endpoint.failures and not self._healthy(endpoint)):
                 continue
-            if self._latest is not None and endpoint.version != self.weight_version:
+            if self._latest is not None and endpoint.version != self._latest[0]:
                 with self._sync_lock:
                     try:
                         self._send_latest(endpoint)

@@ -201,7 +201,7 @@ def _sum_gradients(model, group) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-        param.grad = piece.view_as(param).clone()
+        param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
 
 
 def _summed(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
