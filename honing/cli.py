@@ -8,6 +8,7 @@
     honing serve rollout --model PATH [--host H] [--port P] [--token T] [...]
     honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
     honing report RUN_DIR
+    honing scale RUN_DIR [--rollout-workers N] [--reward-workers N] [--address auto|HOST:PORT]
 
 A ``UserError`` (bad config, data or input) prints one line and exits with status 2; nothing is
 written to the run directory before the config, the data and the model have loaded.
@@ -67,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="write RUN_DIR/report.html: charts of the run's signals and its event log"
     )
     report.add_argument("run_dir", help="the --output-dir of a 'honing train' run")
+    scale = commands.add_parser(
+        "scale", help="change the Ray workers of a run while it trains (pipeline.backend=ray)"
+    )
+    scale.add_argument("run_dir", help="the --output-dir of the running 'honing train'")
+    scale.add_argument("--rollout-workers", type=int, default=None)
+    scale.add_argument("--reward-workers", type=int, default=None)
+    scale.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
     _add_serve(commands)
     return parser
 
@@ -260,6 +268,20 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_scale(ns: argparse.Namespace) -> int:
+    if ns.rollout_workers is None and ns.reward_workers is None:
+        raise UserError("give --rollout-workers N and/or --reward-workers N")
+    if ns.rollout_workers is not None and ns.rollout_workers < 1:
+        raise UserError(f"--rollout-workers: expected >= 1, got {ns.rollout_workers}")
+    if ns.reward_workers is not None and ns.reward_workers < 0:
+        raise UserError(f"--reward-workers: expected >= 0, got {ns.reward_workers}")
+    from honing.pipeline.ray_backend import scale
+
+    targets = scale(ns.run_dir, ns.rollout_workers, ns.reward_workers, address=ns.address)
+    print(" ".join(f"{key}={value}" for key, value in targets.items()))
+    return 0
+
+
 def run_doctor(ns: argparse.Namespace) -> int:
     from honing.config import resolve_config
     from honing.pipeline.doctor import format_checks, run_doctor
@@ -304,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "train" and ns.max_restarts:
             return _supervised(argv, ns.max_restarts)
+        if ns.command == "scale":
+            return run_scale(ns)
         if ns.command == "report":
             from honing.monitor.report import report_main
 

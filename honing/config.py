@@ -96,6 +96,13 @@ class RolloutConfig:
     val_samples: int = _opt(8, ge=1)  # k of val/pass@k, sampled at `temperature`
     generation_batch: int = _opt(256, ge=1)  # sequences per generate call
     fast_decode: bool = _opt(True)  # lean exact forward for Llama-family models while sampling
+    # Speculative decoding in honing's engine (exact: the policy's distribution is kept):
+    # off; ngram (prompt lookup); draft (a small model at spec_draft with the same tokenizer)
+    speculative: str = _opt("off", choices=("off", "ngram", "draft"))
+    spec_tokens: int = _opt(4, ge=1, le=16)  # draft tokens proposed per verify round (k)
+    spec_draft: str = _opt("")  # draft: a local Hugging Face model directory
+    spec_min_accept: float = _opt(0.3, ge=0.0, le=1.0)  # below it speculation turns itself off
+    spec_probe_every: int = _opt(20, ge=1)  # while off: every Nth generate call probes
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,24 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    # local: everything in this process (threads); ray: the trainer, rollout workers and reward
+    # workers are Ray actors (honing/pipeline/ray_backend.py), on a local or existing cluster.
+    backend: str = _opt("local", choices=("local", "ray"))
+    ray_address: str = _opt("")  # "" = start a local Ray instance; "auto" or host:port = join
+    rollout_workers: int = _opt(2, ge=1)  # ray: actors sampling with the policy's weights
+    reward_workers: int = _opt(1, ge=0)  # ray: actors scoring (0 = score in the trainer)
+    rollout_chunk: int = _opt(4, ge=1)  # ray: prompts per rollout task (load balancing unit)
+    trainer_cpus: float = _opt(1.0, ge=0)  # ray: resources each actor asks for
+    trainer_gpus: float = _opt(0.0, ge=0)
+    rollout_cpus: float = _opt(1.0, ge=0)
+    rollout_gpus: float = _opt(0.0, ge=0)
+    reward_cpus: float = _opt(1.0, ge=0)
+    placement: str = _opt("pack", choices=("pack", "spread"))  # ray: actors packed or spread
+    actor_start_timeout_s: float = _opt(300.0, gt=0)  # ray: then an unplaceable actor is an error
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -219,6 +244,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 # Section name -> its dataclass, for key lookups.

@@ -40,6 +40,8 @@ class Collected:
     baselines: dict[int, float] = field(default_factory=dict)  # remax: greedy score by group
     groups_kept: int = 0
     regenerated: int = 0
+    engine_metrics: dict = field(default_factory=dict)  # what the engine reports (gauges)
+    engine_events: list = field(default_factory=list)  # (kind, fields) the engine reports
 
 
 def _is_uniform(scores: list[Score]) -> bool:
@@ -68,6 +70,7 @@ class Generated:
     rollouts: list[Rollout]
     seconds: float
     regenerated: int = 0  # samples lost with a failed engine and generated again elsewhere
+    report: tuple = ({}, [])  # the engine's metrics and events for this round
 
 
 def generate_round(parts: Components, prompts: list, round_index: int, seed: int) -> Generated:
@@ -82,7 +85,10 @@ def generate_round(parts: Components, prompts: list, round_index: int, seed: int
         requests, replace(parts.train_sampling, seed=seed + round_index)
     )
     regenerated = getattr(parts.engine, "regenerated", 0) - lost_before
-    return Generated(prompts, requests, rollouts, time.perf_counter() - t0, regenerated)
+    seconds = time.perf_counter() - t0
+    take_report = getattr(parts.engine, "take_report", None)  # speculation, Ray workers
+    report = take_report() if take_report is not None else ({}, [])
+    return Generated(prompts, requests, rollouts, seconds, regenerated, report)
 
 
 def score_round(config: Config, parts: Components, generated: Generated, out: Collected) -> None:
@@ -97,6 +103,8 @@ def score_round(config: Config, parts: Components, generated: Generated, out: Co
     out.reward_seconds += time.perf_counter() - t1
     out.gen_seconds += generated.seconds
     out.regenerated += generated.regenerated
+    out.engine_metrics |= generated.report[0]
+    out.engine_events += generated.report[1]
     out.rounds += 1
     _shape(config, rollouts, scores)
     if algo.advantage == "remax":

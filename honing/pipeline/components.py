@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,8 @@ class Components:
     skipped_rows: int
     critic: torch.nn.Module | None = None  # gae: a value head on a copy of the backbone
     critic_optimizer: torch.optim.Optimizer | None = None
+    # Another scorer like ``scorer`` (the async producer's scoring threads each need one).
+    make_scorer: Callable[[], Scorer] | None = None
 
 
 def cache_dir(config: Config) -> Path:
@@ -316,9 +319,10 @@ def build_components(config: Config, log=print) -> Components:
         device=device,
         generation_batch=rollout.generation_batch,
         fast_decode=rollout.fast_decode,
+        speculation=speculation(config, tokenizer, device),
     )
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
-    return Components(
+    parts = Components(
         model_path=model_path,
         device=device,
         tokenizer=tokenizer,
@@ -352,6 +356,51 @@ def build_components(config: Config, log=print) -> Components:
             config.algorithm.kl_target,
             config.algorithm.kl_horizon,
         ),
+        make_scorer=lambda: build_scorer(config),
+    )
+    if config.pipeline.backend == "ray":  # rollout and reward workers as Ray actors
+        from honing.pipeline import ray_backend
+
+        parts = ray_backend.attach(config, parts, model_path)
+    return parts
+
+
+def speculation(config: Config, tokenizer, device: torch.device):
+    """``rollout.speculative``'s settings, with the draft model loaded (None when off)."""
+    from honing.rollout.fast_decode import supports
+    from honing.rollout.speculative import Speculation
+
+    rollout, m = config.rollout, config.model
+    if rollout.speculative == "off":
+        return None
+    if rollout.engine != "transformers":
+        raise ConfigError(
+            "rollout.speculative applies to honing's own engine; for vLLM or SGLang servers "
+            "set speculation in the server's own options"
+        )
+    if not rollout.fast_decode:
+        raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
+    draft = None
+    if rollout.speculative == "draft":
+        if not rollout.spec_draft:
+            raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")
+        draft = load_causal_lm(
+            check_model_dir(rollout.spec_draft),
+            tokenizer,
+            dtype=m.dtype,
+            device=device,
+            trust_remote_code=m.trust_remote_code,
+        ).eval()
+        draft.requires_grad_(False)
+        reason = supports(draft)
+        if reason is not True:
+            raise ConfigError(f"rollout.spec_draft: the draft must be Llama-family ({reason})")
+    return Speculation(
+        rollout.speculative,
+        rollout.spec_tokens,
+        rollout.spec_min_accept,
+        rollout.spec_probe_every,
+        draft,
     )
 
 

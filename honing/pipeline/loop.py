@@ -200,6 +200,9 @@ class TrainLoop:
         else:
             got, schedule = self.producer.take(step)
         metrics = self._rollout_metrics(got) | schedule
+        metrics |= got.engine_metrics  # speculation, Ray workers
+        for kind, fields in got.engine_events:
+            self.logger.log_event(kind, step=step, **fields)
         metrics.setdefault("samples/stale", 0)
         if got.kept:
             metrics |= self._update(step, got)

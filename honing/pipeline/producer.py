@@ -87,7 +87,8 @@ class RolloutProducer:
         self.engine_idle_s = 0.0  # generation's waits for admission, since the last take
         self._to_score: queue.Queue = queue.Queue(maxsize=1)
         count = min(self.max_staleness + 1, MAX_SCORERS)
-        self._scorers = [parts.scorer] + [build_scorer(config) for _ in range(count - 1)]
+        make = parts.make_scorer or (lambda: build_scorer(config))
+        self._scorers = [parts.scorer] + [make() for _ in range(count - 1)]
         self._threads = [
             threading.Thread(target=self._guard(self._generate), name="honing-gen", daemon=True)
         ] + [

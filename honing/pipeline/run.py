@@ -101,7 +101,22 @@ class EventBuffer:
 
 
 def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
-    """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json)."""
+    """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json).
+    With ``pipeline.backend=ray`` the run goes on in a Ray actor (``ray_backend``)."""
+    if config.pipeline.backend == "ray":
+        if data_parallel.world()[1] > 1:
+            raise UserError(
+                "pipeline.backend=ray does not run under torchrun; start one process "
+                "(the trainer actor holds the trainer)"
+            )
+        from honing.pipeline.ray_backend import train_on_ray
+
+        return train_on_ray(config, run_dir, resume)
+    return train_here(config, run_dir, resume, log)
+
+
+def train_here(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
+    """``train`` in this process."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     events = EventBuffer()
     checkpoints = checkpoint_manager(config, run_dir, on_event=events)
@@ -127,6 +142,9 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
                 leader.stop()
     finally:
         parts.scorer.close()
+        close = getattr(parts.engine, "close", None)  # remote engines and Ray workers
+        if close is not None:
+            close()
 
 
 def _train(

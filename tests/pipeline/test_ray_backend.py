@@ -1,0 +1,246 @@
+"""The Ray backend on a local Ray cluster started here: rollout workers that give the same
+samples however many there are, a dead worker replaced with its samples regenerated and
+counted, workers added and removed while a run trains, errors that come back as raised."""
+
+import json
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from honing import cli  # noqa: E402
+from honing.errors import ConfigError, UserError  # noqa: E402
+from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from honing.pipeline import ray_backend  # noqa: E402
+from honing.pipeline.run import train  # noqa: E402
+from honing.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
+from honing.rollout.transformers_engine import TransformersEngine  # noqa: E402
+
+from ._configs import small_run_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray instance for this module, with logical room for every actor."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(
+        num_cpus=8,
+        namespace=ray_backend.NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+    for sig, handler in handlers.items():  # ray.init installs its own; later tests need these
+        signal.signal(sig, handler)
+
+
+def _requests(model_dir, count=6):
+    tokenizer = load_tokenizer(model_dir)
+    return [GenerationRequest(f"p{i}", tokenizer.encode(f"{i} + {i} ="), i) for i in range(count)]
+
+
+def _pool(config, model_dir, workers, rid):
+    control = ray_backend.Control.remote(workers, 0)
+    report = ray_backend.Report()
+    engine = ray_backend.RayRolloutEngine(config, model_dir, control, rid, report)
+    policy = load_causal_lm(model_dir, load_tokenizer(model_dir), dtype="float32", device="cpu")
+    engine.load_weights(0, policy.state_dict())
+    return engine, control, report, policy
+
+
+def _key(rollouts):
+    return [(r.prompt_id, r.group_index, r.response_ids, r.behaviour_logprobs) for r in rollouts]
+
+
+def test_samples_are_those_of_the_chunks_for_any_number_of_workers(
+    cluster, micro_model_dir, digit_reward
+):
+    config = small_run_config(micro_model_dir, digit_reward, **{"pipeline.rollout_chunk": 2})
+    params = SamplingParams(n=3, max_new_tokens=4, seed=11)
+    requests = _requests(micro_model_dir)
+    one, *_ = _pool(config, micro_model_dir, 1, "chunks-one")
+    three, _, _, policy = _pool(config, micro_model_dir, 3, "chunks-three")
+    try:
+        got = one.generate(requests, params)
+        assert _key(three.generate(requests, params)) == _key(got)
+        # each task of 2 prompts is the local engine's sampling of it with its own seed
+        local = TransformersEngine(policy, load_tokenizer(micro_model_dir), device="cpu")
+        want = []
+        for start in range(0, len(requests), 2):
+            seed = (params.seed * 1_000_003 + start) % (2**63)
+            want += local.generate(requests[start : start + 2], replace(params, seed=seed))
+        assert _key(got) == _key(want)
+        assert len(got) == 18 and one.regenerated == three.regenerated == 0
+    finally:
+        one.close()
+        three.close()
+
+
+def test_a_dead_worker_is_replaced_and_its_samples_regenerated(
+    cluster, micro_model_dir, digit_reward
+):
+    config = small_run_config(micro_model_dir, digit_reward, **{"pipeline.rollout_chunk": 1})
+    params = SamplingParams(n=2, max_new_tokens=4, seed=5)
+    requests = _requests(micro_model_dir, 4)
+    engine, control, report, _ = _pool(config, micro_model_dir, 2, "dead")
+    try:
+        before = engine.generate(requests, params)
+        ray.get([worker.handle.ready.remote() for worker in engine.workers])  # both loaded
+        victim = engine.workers[0]
+        ray.kill(victim.handle)
+        after = engine.generate(requests, params)
+        assert _key(after) == _key(before)  # same tasks, same seeds, another worker
+        assert engine.regenerated >= params.n  # at least the one task sent to the dead one
+        assert engine.regenerated % params.n == 0
+        gauges, events = engine.take_report()
+        assert gauges["ray/rollout_workers"] == 2
+        replaced = [fields for kind, fields in events if kind == "rollout_worker_replaced"]
+        assert replaced and replaced[0]["dead"] == victim.name
+        assert victim not in engine.workers
+    finally:
+        engine.close()
+
+
+def test_workers_follow_the_control_target(cluster, micro_model_dir, digit_reward):
+    config = small_run_config(micro_model_dir, digit_reward)
+    params = SamplingParams(n=2, max_new_tokens=3, seed=1)
+    requests = _requests(micro_model_dir, 4)
+    engine, control, report, _ = _pool(config, micro_model_dir, 1, "elastic")
+    try:
+        first = engine.generate(requests, params)
+        ray.get(control.set.remote(3, None))
+        assert _key(engine.generate(requests, params)) == _key(first)
+        assert len(engine.workers) == 3
+        ray.get(control.set.remote(1, None))
+        engine.generate(requests, params)
+        assert len(engine.workers) == 1
+        _, events = engine.take_report()
+        assert [(f["before"], f["after"]) for k, f in events if k.endswith("_scaled")] == [
+            (1, 3),
+            (3, 1),
+        ]
+        with pytest.raises(ray.exceptions.RayTaskError, match="rollout_workers"):
+            ray.get(control.set.remote(0, None))
+    finally:
+        engine.close()
+
+
+def _metrics(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_async_run_goes_on_while_workers_die_and_are_added(
+    cluster, tmp_path, micro_model_dir, digit_reward
+):
+    """The trainer, two rollout workers and a reward worker as actors, async schedule: one
+    rollout worker is killed and a third is added mid-run; every step trains and every
+    sample is accounted for."""
+    run_dir = tmp_path / "ray-run"
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{
+            "pipeline.backend": "ray",
+            "pipeline.rollout_chunk": 1,
+            "schedule.mode": "async",
+            "trainer.total_steps": 60,
+            "trainer.val_at_start": False,
+            "trainer.lr": 1e-3,
+            "checkpoint.every": 20,
+            "rollout.max_new_tokens": 6,
+        },
+    )
+    result, failure = {}, []
+
+    def run():
+        try:
+            result.update(train(config, run_dir))
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            failure.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    rid = ray_backend.run_id(run_dir)
+    deadline = time.monotonic() + 240
+    workers = []
+    while len(workers) < 2 and thread.is_alive() and time.monotonic() < deadline:
+        try:  # both rollout workers loaded, so that the killed one has had work
+            workers = [
+                ray.get_actor(f"{rid}/rollout-{i}", namespace=ray_backend.NAMESPACE) for i in (1, 2)
+            ]
+        except ValueError:
+            time.sleep(0.05)
+    ray.get([worker.ready.remote() for worker in workers])
+    seen = len(_metrics(run_dir))
+    while len(_metrics(run_dir)) < seen + 2 and thread.is_alive():
+        time.sleep(0.01)
+    assert thread.is_alive(), failure
+    ray.kill(workers[0])
+    killed_at = len(_metrics(run_dir))
+    assert cli.main(["scale", str(run_dir), "--rollout-workers", "3"]) == 0
+    thread.join(timeout=300)
+    assert not thread.is_alive() and not failure, failure
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    for m in metrics:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts)
+        assert m["samples/trained"] > 0
+    assert metrics[-1]["ray/rollout_workers"] == 3
+    assert metrics[0]["ray/reward_workers"] == 1
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "rollout_worker_replaced" in kinds
+    assert "rollout_workers_scaled" in kinds
+    assert sum(m["samples/regenerated"] for m in metrics) > 0
+    assert killed_at < 55  # the kill came while steps were left to sample
+    assert result["last_step"] == 60
+    assert (run_dir / "checkpoints" / "step_60").is_dir()
+    # the run's actors are gone with it
+    with pytest.raises(ValueError):
+        ray.get_actor(f"{rid}/control", namespace=ray_backend.NAMESPACE)
+
+
+def test_an_error_in_the_trainer_actor_comes_back_as_raised(
+    cluster, tmp_path, micro_model_dir, digit_reward
+):
+    missing = str(tmp_path / "nowhere.py") + ":score"
+    config = small_run_config(micro_model_dir, missing, **{"pipeline.backend": "ray"})
+    with pytest.raises(UserError, match="nowhere.py"):  # raised in the actor, as it was
+        train(config, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()  # nothing half-written
+    remote = replace(config, rollout=replace(config.rollout, engine="openai", endpoints="http://x"))
+    with pytest.raises(ConfigError, match="rollout workers"):
+        train(remote, tmp_path / "bad")
+
+
+def test_an_unplaceable_trainer_says_what_it_asked_for(
+    cluster, tmp_path, micro_model_dir, digit_reward
+):
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{
+            "pipeline.backend": "ray",
+            "pipeline.trainer_gpus": 1,
+            "pipeline.actor_start_timeout_s": 1,
+        },
+    )
+    with pytest.raises(UserError, match="asks for 1 CPUs and 1 GPUs"):
+        train(config, tmp_path / "nogpu")
+
+
+def test_scale_names_a_run_that_is_not_training(cluster, tmp_path, capsys):
+    assert cli.main(["scale", str(tmp_path), "--rollout-workers", "2"]) == 2
+    assert "no run with pipeline.backend=ray" in capsys.readouterr().err
+    assert cli.main(["scale", str(tmp_path)]) == 2
