@@ -190,8 +190,32 @@ class FastDecoder:
         attend = self.valid[:, None, None, : self.length + 1]  # [B, 1, 1, S]
         return self._forward(token[:, None], positions, attend)
 
+    def extend(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Append a block ``ids`` [B, W] at ``positions`` [B, W]; ``keep`` [B, W] says which of
+        its slots later queries may see (a dropped slot is a hole: speculative decoding's
+        rejected tokens and placeholders). Returns the logits of every position [B, W, V].
+        Rows stay in lockstep (every row takes W slots), so ``prefill`` must have made room."""
+        start, width = self.length, ids.shape[1]
+        end = start + width
+        self.valid[:, start:end] = keep.bool()
+        seen = self.valid[:, None, None, :end].expand(-1, 1, width, end).clone()
+        block = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        seen[:, :, :, start:end] &= block  # causal inside the block
+        seen[:, :, :, start:end] |= torch.eye(width, dtype=torch.bool, device=ids.device)
+        return self._forward(ids, positions, seen, every_position=True)
+
+    def drop(self, start: int, slots: torch.Tensor) -> None:
+        """Hide the cache slots ``start + j`` of each row where ``slots`` [B, W] is True."""
+        self.valid[:, start : start + slots.shape[1]] &= ~slots
+
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: torch.Tensor,
+        every_position: bool = False,
     ) -> torch.Tensor:
         batch, width = ids.shape
         start, end = self.length, self.length + width
@@ -223,6 +247,8 @@ class FastDecoder:
             gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *layer.down)
         self.length = end
+        if every_position:
+            return F.linear(_rms_norm(x, self.final_norm), *self.lm_head)  # [B, T, V]
         last = _rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
         return F.linear(last, *self.lm_head)  # [B, V]
 

@@ -21,6 +21,7 @@ import torch
 
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.fast_decode import FastDecoder, supports
+from honing.rollout.speculative import SpecStats, Speculation, speculative_decode
 from honing.types import Rollout
 
 
@@ -142,6 +143,7 @@ class TransformersEngine:
         device: torch.device,
         generation_batch: int = 256,
         fast_decode: bool = True,
+        speculation: Speculation | None = None,
     ):
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError("the tokenizer needs a pad token distinct from eos")
@@ -157,6 +159,13 @@ class TransformersEngine:
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self.fast_decode_reason = supports(model) if fast_decode else "disabled"
         self.fast_decode = self.fast_decode_reason is True
+        self.speculation = speculation
+        if speculation is not None and not self.fast_decode:
+            raise ValueError(
+                "rollout.speculative needs the fast decode path (rollout.fast_decode=true and "
+                f"a Llama-family policy); here: {self.fast_decode_reason}"
+            )
+        self._report: tuple[dict[str, float], list[tuple[str, dict]]] = ({}, [])
 
     def _decoder(self):
         return (
@@ -173,6 +182,7 @@ class TransformersEngine:
             device=self.device,
             generation_batch=self.generation_batch,
             fast_decode=self.fast_decode_reason != "disabled",
+            speculation=self.speculation.copy() if self.speculation else None,
         )
         engine.weight_version = self.weight_version
         engine.shares_policy = False
@@ -194,11 +204,67 @@ class TransformersEngine:
         flat = [r for r in requests for _ in range(params.n)]
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rollouts: list[Rollout] = []
+        spec = self.speculation
+        speculate = spec is not None and spec.should_speculate()
+        stats = SpecStats()
         for start in range(0, len(flat), self.generation_batch):
-            rollouts += self._generate_chunk(
-                flat[start : start + self.generation_batch], params, generator
-            )
+            chunk = flat[start : start + self.generation_batch]
+            if speculate:
+                rollouts += self._speculate_chunk(chunk, params, generator, stats)
+            else:
+                rollouts += self._generate_chunk(chunk, params, generator)
+        if spec is not None:
+            self._add_report(spec.record(stats if speculate else None))
         return rollouts
+
+    def take_report(self) -> tuple[dict[str, float], list[tuple[str, dict]]]:
+        """Metrics and events of the generate calls since the last take (speculation)."""
+        report, self._report = self._report, ({}, [])
+        return report
+
+    def _add_report(self, report) -> None:
+        metrics, events = report
+        self._report = (self._report[0] | metrics, self._report[1] + events)
+
+    @torch.no_grad()
+    def _speculate_chunk(self, chunk, params: SamplingParams, generator, stats: SpecStats):
+        started = time.perf_counter()
+        ids, mask, positions, budget = self._prepare(chunk, params)
+        was_training = self.model.training
+        self.model.eval()
+        spec = self.speculation
+        tokens, logprobs, chunk_stats = speculative_decode(
+            FastDecoder(self.model),
+            spec.draft(),
+            ids,
+            mask,
+            positions,
+            budget,
+            spec.tokens,
+            _distribution(params),
+            generator,
+            torch.tensor(sorted(self.stop_ids), device=self.device),
+            self.tokenizer.pad_token_id,
+            [list(r.prompt_ids) for r in chunk],
+            min_accept=spec.min_accept,
+        )
+        self.model.train(was_training)
+        stats.add(chunk_stats)
+        seconds = time.perf_counter() - started
+        return self._to_rollouts(
+            chunk, tokens.tolist(), logprobs.tolist(), budget.tolist(), seconds
+        )
+
+    def _prepare(self, chunk, params: SamplingParams):
+        """Left-padded prompt ids and mask [B, P], positions, and each row's token budget."""
+        ids, mask = _left_pad([r.prompt_ids for r in chunk], self.tokenizer.pad_token_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)  # [B, P]
+        budget = torch.tensor(
+            [min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids)) for r in chunk],
+            device=self.device,
+        )  # [B]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        return ids, mask, positions, budget
 
     @torch.no_grad()
     def _generate_chunk(
@@ -207,13 +273,7 @@ class TransformersEngine:
         started = time.perf_counter()
         pad = self.tokenizer.pad_token_id
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
-        ids, mask = _left_pad([r.prompt_ids for r in chunk], pad)
-        ids, mask = ids.to(self.device), mask.to(self.device)  # [B, P]
-        budget = torch.tensor(
-            [min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids)) for r in chunk],
-            device=self.device,
-        )  # [B]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        ids, mask, positions, budget = self._prepare(chunk, params)
         was_training = self.model.training
         self.model.eval()
         decoder = self._decoder()
@@ -280,3 +340,22 @@ class TransformersEngine:
                 )
             )
         return rollouts
+
+
+def _distribution(params: SamplingParams):
+    """``logits [..., V] -> (probs, logprobs)``: the distribution a token is sampled from and
+    the logprobs recorded for it, exactly as ``TransformersEngine._sample`` makes them."""
+
+    def dist(logits: torch.Tensor):
+        shape = logits.shape
+        flat = logits.reshape(-1, shape[-1])
+        if params.greedy:
+            top = flat.argmax(-1)
+            probs = torch.zeros_like(flat).scatter(-1, top[:, None], 1.0)
+            return probs.view(shape), flat.log_softmax(-1).view(shape)
+        if params.temperature != 1.0:
+            flat = flat / params.temperature
+        logp = filter_logits(flat, params.top_k, params.top_p).log_softmax(-1)
+        return logp.exp().view(shape), logp.view(shape)
+
+    return dist

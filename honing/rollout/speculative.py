@@ -1,0 +1,318 @@
+"""Speculative decoding for honing's engine (``rollout.speculative``): a draft proposes ``k``
+tokens per row, the policy scores all of them in one forward pass, and the standard rejection
+rule (Leviathan et al. 2023, https://arxiv.org/abs/2211.17192; Chen et al. 2023) keeps the
+output distribution exactly the policy's sampling distribution (after temperature, top-k and
+top-p):
+
+- draft token x_j, drawn from the draft's distribution q_j, is accepted with probability
+  min(1, p_j(x_j) / q_j(x_j)), p_j being the policy's distribution at that position;
+- at the first rejection the row's next token is drawn from norm(max(0, p_j - q_j)); when all
+  k are accepted, one more is drawn from the policy's next distribution (the bonus token).
+
+A draft that proposes without a distribution (prompt lookup) is a point mass: x_j is accepted
+with probability p_j(x_j), and a rejection draws from p_j with x_j removed. Every emitted
+token's behaviour logprob is its logprob under the policy's sampling distribution, as without
+speculation, so the trainer's importance ratios do not change meaning.
+
+The batch stays in lockstep: every round appends k + 1 slots to the policy's KV cache for every
+row, and the slots of rejected tokens become holes that later queries do not see
+(``FastDecoder.extend`` / ``drop``). A round therefore costs one k-position verify forward plus
+the draft's proposals, and emits between 1 and k + 1 tokens per row.
+
+Drafts:
+- ``NgramDraft`` (``rollout.speculative=ngram``): prompt lookup, the tokens that followed the
+  last earlier occurrence of the row's trailing n-gram (n = 3, 2, 1) in its prompt and output.
+- ``ModelDraft`` (``rollout.speculative=draft``, ``rollout.spec_draft=PATH``): a small causal LM
+  with the policy's tokenizer, run with its own ``FastDecoder``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from honing.rollout.fast_decode import FastDecoder
+
+
+@dataclass
+class SpecStats:
+    """One call's speculation: verify rounds, draft tokens proposed and accepted (rows that
+    were still generating), and whether it stopped speculating part way (``aborted``)."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    row_rounds: int = 0
+    aborted: bool = False
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def accepted_len(self) -> float:
+        """Draft tokens accepted per row and verify round."""
+        return self.accepted / self.row_rounds if self.row_rounds else 0.0
+
+    def add(self, other: SpecStats) -> None:
+        self.rounds += other.rounds
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.row_rounds += other.row_rounds
+        self.aborted |= other.aborted
+
+
+class NgramDraft:
+    """Prompt lookup: proposes the continuation of the last earlier match of the row's trailing
+    n-gram (longest n first); without a match, the last token repeated (soon rejected)."""
+
+    point_mass = True
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def start(self, decoder_inputs, prompt_rows: list[list[int]], first: list[int]) -> None:
+        self.rows = [list(row) + [token] for row, token in zip(prompt_rows, first, strict=True)]
+
+    def propose(self, t, pos_t, k: int, dist, generator):
+        proposals = [self._lookup(row, k) for row in self.rows]
+        return torch.tensor(proposals, dtype=torch.long, device=t.device), None
+
+    def _lookup(self, row: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(row) - 1), 0, -1):
+            tail = row[-n:]
+            for start in range(len(row) - n - 1, -1, -1):  # the latest earlier occurrence
+                if row[start : start + n] == tail:
+                    follow = row[start + n : start + n + k]
+                    return follow + [follow[-1]] * (k - len(follow))
+        return [row[-1]] * k
+
+    def settle(self, accepted: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor):
+        for row, tokens, n in zip(self.rows, emitted.tolist(), count.tolist(), strict=True):
+            row += tokens[:n]
+
+
+class ModelDraft:
+    """A small causal LM proposing k tokens by sampling from its own (filtered, tempered)
+    distribution; its KV cache follows the policy's with holes for rejected proposals."""
+
+    point_mass = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def start(self, decoder_inputs, prompt_rows, first) -> None:
+        ids, mask, positions, capacity = decoder_inputs
+        self.decoder = FastDecoder(self.model)
+        self.decoder.prefill(ids, mask, positions, capacity)
+        self.previous = torch.zeros_like(ids[:, 0])  # x_k of the last round, when accepted
+        self.previous_kept = torch.zeros_like(ids[:, 0], dtype=torch.bool)
+
+    def propose(self, t, pos_t, k: int, dist, generator):
+        from honing.rollout.transformers_engine import sample_categorical
+
+        self.round_start = self.decoder.length
+        block = torch.stack([self.previous, t], 1)
+        positions = torch.stack([(pos_t - 1).clamp(min=0), pos_t], 1)
+        keep = torch.stack([self.previous_kept, torch.ones_like(self.previous_kept)], 1)
+        logits = self.decoder.extend(block, positions, keep)[:, -1]
+        tokens, dists = [], []
+        for j in range(k):
+            probs, _ = dist(logits.float())
+            token = sample_categorical(probs, generator)
+            tokens.append(token)
+            dists.append(probs / probs.sum(-1, keepdim=True))
+            if j < k - 1:
+                logits = self.decoder.step(token, (pos_t + 1 + j)[:, None])
+        self.last = tokens[-1]
+        return torch.stack(tokens, 1), torch.stack(dists, 1)
+
+    def settle(self, accepted: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor):
+        k = emitted.shape[1] - 1
+        # this round's slots: [x_k of the last round or a hole, t, x_1 .. x_{k-1}]
+        slot = torch.arange(k + 1, device=accepted.device)[None]
+        self.decoder.drop(self.round_start, slot >= accepted[:, None] + 2)
+        self.previous = self.last
+        self.previous_kept = accepted == k  # x_k is accepted: the draft has not seen it yet
+
+
+def speculative_decode(
+    target: FastDecoder,
+    draft,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    budget: torch.Tensor,
+    k: int,
+    dist,
+    generator: torch.Generator,
+    stop: torch.Tensor,
+    pad: int,
+    prompt_rows: list[list[int]],
+    judge_after: int = 4,
+    min_accept: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, SpecStats]:
+    """Sample up to ``budget`` [B] tokens per row (see the module).
+
+    ``dist(logits [..., V]) -> (probs, logprobs)``: the sampling distribution (probabilities
+    for the draws and the acceptance test; log-probabilities recorded for the trainer). After
+    ``judge_after`` rounds with an acceptance rate below ``min_accept`` the call stops
+    speculating and decodes one token per step (``stats.aborted``).
+
+    Returns tokens [B, N] and their logprobs [B, N] (``pad`` after a row's end), and the stats.
+    """
+    from honing.rollout.transformers_engine import sample_categorical
+
+    rows, device = ids.shape[0], ids.device
+    most = int(budget.max())
+    capacity = most * (k + 1) + 1
+    logits = target.prefill(ids, mask, positions, capacity)
+    probs, logp = dist(logits.float())
+    t = sample_categorical(probs, generator)
+    width = most + k + 1
+    tokens = torch.full((rows, width), pad, dtype=torch.long, device=device)
+    logprobs = torch.zeros(rows, width, device=device)
+    tokens[:, 0] = t
+    logprobs[:, 0] = logp.gather(-1, t[:, None]).squeeze(-1)
+    count = torch.ones(rows, dtype=torch.long, device=device)
+    done = torch.isin(t, stop) | (count >= budget)
+    pos_t = positions[:, -1] + 1
+    draft.start((ids, mask, positions, capacity), prompt_rows, t.tolist())
+    stats = SpecStats()
+    offsets = torch.arange(k + 1, device=device)
+    while not bool(done.all()):
+        if stats.aborted:  # plain decoding: one token per row and step
+            probs, logp = dist(target.step(t, pos_t[:, None]).float())
+            t = sample_categorical(probs, generator)
+            active = ~done
+            at = count.clamp(max=width - 1)[:, None]
+            tokens.scatter_(1, at, torch.where(active, t, tokens.gather(1, at)[:, 0])[:, None])
+            lp = logp.gather(-1, t[:, None])
+            logprobs.scatter_(1, at, torch.where(active[:, None], lp, logprobs.gather(1, at)))
+            count = torch.where(active, count + 1, count)
+            done = done | (active & (torch.isin(t, stop) | (count >= budget)))
+            pos_t = pos_t + 1
+            continue
+        x, q = draft.propose(t, pos_t, k, dist, generator)  # [B, k], [B, k, V] or None
+        start = target.length
+        block = torch.cat([t[:, None], x], 1)  # [B, k + 1]
+        logits = target.extend(
+            block, pos_t[:, None] + offsets, torch.ones_like(block, dtype=torch.bool)
+        )
+        p, lp = dist(logits.float())  # [B, k + 1, V]: p[:, j] is the distribution of x_{j+1}
+        px = p[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, k]
+        if q is None:
+            ratio = px / p[:, :k].sum(-1)
+        else:
+            qx = q.gather(-1, x[..., None]).squeeze(-1)
+            ratio = (px / p[:, :k].sum(-1)) / qx
+        u = torch.rand(rows, k, dtype=torch.float64, device=device, generator=generator)
+        accepted = (u < ratio.double()).long().cumprod(1).sum(1)  # [B]
+        target_next = p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
+        full = accepted == k
+        at = accepted.clamp(max=k - 1)
+        if q is None:
+            residual = target_next.scatter(1, x.gather(1, at[:, None]), 0.0)
+        else:
+            q_at = q.gather(1, at[:, None, None].expand(-1, 1, q.shape[-1]))[:, 0]
+            normal = target_next / target_next.sum(-1, keepdim=True)
+            residual = (normal - q_at).clamp(min=0)
+        residual = torch.where(full[:, None], target_next, residual)
+        empty = residual.sum(-1) <= 0  # p == q to rounding: p itself
+        residual = torch.where(empty[:, None], target_next, residual)
+        y = sample_categorical(residual, generator)
+        emitted = torch.cat([x, torch.zeros_like(y)[:, None]], 1).scatter(
+            1, accepted[:, None], y[:, None]
+        )
+        emitted_lp = lp.gather(-1, emitted[..., None]).squeeze(-1)  # [B, k + 1]
+        kept = accepted + 1
+        active = ~done
+        at = (count[:, None] + offsets).clamp(max=width - 1)
+        write = active[:, None] & (offsets[None] < kept[:, None])
+        tokens.scatter_(1, at, torch.where(write, emitted, tokens.gather(1, at)))
+        logprobs.scatter_(1, at, torch.where(write, emitted_lp, logprobs.gather(1, at)))
+        stopped = (torch.isin(emitted, stop) & (offsets[None] < kept[:, None])).any(1)
+        count = torch.where(active, count + kept, count)
+        done = done | (active & (stopped | (count >= budget)))
+        target.drop(start, offsets[None] > accepted[:, None])  # keep t and x_1 .. x_a
+        draft.settle(accepted, emitted, kept)
+        live = int(active.sum())
+        stats.rounds += 1
+        stats.row_rounds += live
+        stats.proposed += k * live
+        stats.accepted += int(accepted[active].sum())
+        t, pos_t = y, pos_t + kept
+        if stats.rounds >= judge_after and stats.accept_rate < min_accept:
+            stats.aborted = True
+    return tokens[:, :most], logprobs[:, :most], stats
+
+
+class Speculation:
+    """The engine's speculation settings and its automatic switch.
+
+    ``should_speculate`` before each generate call, ``record`` after it. A call whose
+    acceptance rate is below ``min_accept`` (or that stopped speculating part way) turns
+    speculation off (event ``speculation_off``); while off, every ``probe_every``-th call
+    speculates again as a probe, and one that reaches ``min_accept`` turns it back on
+    (``speculation_on``). Metrics of a call that speculated: ``rollout/spec_accept_rate``
+    (accepted / proposed draft tokens), ``rollout/spec_accepted_len`` (draft tokens accepted
+    per row and verify round); ``rollout/spec_enabled`` is 1 when the call speculated.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        tokens: int,
+        min_accept: float,
+        probe_every: int,
+        draft_model=None,
+    ):
+        if kind not in ("ngram", "draft"):
+            raise ValueError(f"rollout.speculative: {kind!r} is not ngram or draft")
+        if kind == "draft" and draft_model is None:
+            raise ValueError("rollout.speculative=draft needs a draft model (rollout.spec_draft)")
+        self.kind, self.tokens = kind, tokens
+        self.min_accept, self.probe_every = min_accept, probe_every
+        self.draft_model = draft_model
+        self.enabled = True
+        self.calls_off = 0
+
+    def copy(self) -> Speculation:
+        """The same settings and state, sharing the (read-only) draft model."""
+        other = Speculation(
+            self.kind, self.tokens, self.min_accept, self.probe_every, self.draft_model
+        )
+        other.enabled, other.calls_off = self.enabled, self.calls_off
+        return other
+
+    def draft(self):
+        return NgramDraft() if self.kind == "ngram" else ModelDraft(self.draft_model)
+
+    def should_speculate(self) -> bool:
+        if self.enabled:
+            return True
+        self.calls_off += 1
+        return self.calls_off >= self.probe_every
+
+    def record(self, stats: SpecStats | None) -> tuple[dict[str, float], list[tuple[str, dict]]]:
+        if stats is None:
+            return {"rollout/spec_enabled": 0.0}, []
+        rate = stats.accept_rate
+        metrics = {
+            "rollout/spec_accept_rate": rate,
+            "rollout/spec_accepted_len": stats.accepted_len,
+            "rollout/spec_enabled": 1.0,
+        }
+        good = rate >= self.min_accept and not stats.aborted
+        fields = {"accept_rate": round(rate, 4), "min_accept": self.min_accept}
+        events = []
+        if self.enabled and not good:
+            self.enabled, self.calls_off = False, 0
+            events.append(("speculation_off", fields | {"probe_every": self.probe_every}))
+        elif not self.enabled:
+            self.calls_off = 0
+            if good:
+                self.enabled = True
+                events.append(("speculation_on", fields))
+        return metrics, events

@@ -1,0 +1,157 @@
+"""Speculative decoding keeps the policy's distribution exactly: the same token distributions
+as plain sampling (statistically, with a draft that often disagrees), the same greedy output,
+logprobs that are the policy's, and the automatic switch that turns a bad draft off."""
+
+import collections
+
+import pytest
+import torch
+
+from honing.data import warmstart_corpus
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.models.tiny import TinySpec, build_tiny_model
+from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.speculative import Speculation
+from honing.rollout.transformers_engine import TransformersEngine
+
+ROWS = 6000
+
+
+@pytest.fixture(scope="module")
+def tokenizer(micro_model_dir):
+    return load_tokenizer(micro_model_dir)
+
+
+@pytest.fixture(scope="module")
+def policy(micro_model_dir, tokenizer):
+    return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu").eval()
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, tokenizer):
+    """A model of the same tokenizer that disagrees with the policy (other seed, little
+    training)."""
+    spec = TinySpec(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        warmstart_steps=5,
+        warmstart_batch=32,
+        seed=7,
+    )
+    corpus = warmstart_corpus(200, 3, 2, 0.9)
+    path = build_tiny_model(tmp_path_factory.mktemp("draft"), corpus, spec, log=lambda m: None)
+    return load_causal_lm(path, tokenizer, dtype="float32", device="cpu").eval()
+
+
+def engine(policy, tokenizer, speculation=None):
+    return TransformersEngine(
+        policy,
+        tokenizer,
+        device=torch.device("cpu"),
+        generation_batch=ROWS,
+        speculation=speculation,
+    )
+
+
+def sample(eng, tokenizer, params, prompt="12 + 7 ="):
+    request = GenerationRequest("p", tokenizer.encode(prompt), 0)
+    return eng.generate([request], params)
+
+
+def distribution(rollouts, position):
+    counts = collections.Counter(
+        r.response_ids[position] if len(r.response_ids) > position else -1 for r in rollouts
+    )
+    return {token: n / len(rollouts) for token, n in counts.items()}
+
+
+def same_distribution_z(a, b):
+    """The two-sample chi-square statistic of two equal-size samples' token frequencies, as a
+    normal deviate (Wilson-Hilferty): about N(0, 1) when both come from one distribution.
+    Tokens seen fewer than 10 times in both together are pooled into one bin."""
+    tokens = set(a) | set(b)
+    counts = [(a.get(t, 0) * ROWS, b.get(t, 0) * ROWS) for t in tokens]
+    bins = [c for c in counts if c[0] + c[1] >= 10]
+    rest = [c for c in counts if c[0] + c[1] < 10]
+    if rest:
+        bins.append((sum(c[0] for c in rest), sum(c[1] for c in rest)))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in bins if x + y)
+    df = max(len(bins) - 1, 1)
+    return ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / (2 / (9 * df)) ** 0.5
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("draft", SamplingParams(n=ROWS, max_new_tokens=4, temperature=1.3, seed=3)),
+        ("draft", SamplingParams(n=ROWS, max_new_tokens=4, temperature=0.8, top_k=6, seed=4)),
+        ("ngram", SamplingParams(n=ROWS, max_new_tokens=4, temperature=1.3, seed=5)),
+    ],
+)
+def test_tokens_follow_the_policys_distribution(policy, other_draft, tokenizer, kind, params):
+    plain = sample(engine(policy, tokenizer), tokenizer, params)
+    spec = Speculation(kind, 3, 0.0, 20, other_draft if kind == "draft" else None)
+    fast = engine(policy, tokenizer, spec)
+    drafted = sample(fast, tokenizer, params)
+    metrics, _ = fast.take_report()
+    rate = metrics["rollout/spec_accept_rate"]
+    assert 0.001 < rate < 0.95  # both the accept and the reject paths run
+    for position in range(4):
+        z = same_distribution_z(distribution(plain, position), distribution(drafted, position))
+        assert z < 4.5, (position, z)
+    if kind == "draft":  # the test can fail: the draft's own distribution is far off
+        alone = sample(engine(other_draft, tokenizer), tokenizer, params)
+        assert same_distribution_z(distribution(plain, 1), distribution(alone, 1)) > 20
+
+
+def test_greedy_output_and_logprobs_are_the_policys(policy, other_draft, tokenizer):
+    params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
+    prompts = ["12 + 7 =", "3 + 45 =", "1 + 1 ="]
+    requests = [GenerationRequest(f"p{i}", tokenizer.encode(p), i) for i, p in enumerate(prompts)]
+    plain = engine(policy, tokenizer).generate(requests, params)
+    for kind in ("draft", "ngram"):
+        spec = Speculation(kind, 4, 0.0, 20, other_draft)
+        drafted = engine(policy, tokenizer, spec).generate(requests, params)
+        for a, b in zip(plain, drafted, strict=True):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=1e-5)
+
+
+def test_sampled_logprobs_are_the_policys_teacher_forced(policy, other_draft, tokenizer):
+    params = SamplingParams(n=8, max_new_tokens=6, temperature=1.0, seed=9)
+    spec = Speculation("draft", 3, 0.0, 20, other_draft)
+    for rollout in sample(engine(policy, tokenizer, spec), tokenizer, params):
+        ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+        with torch.no_grad():
+            logp = policy(input_ids=ids).logits[0].log_softmax(-1)
+        start = len(rollout.prompt_ids)
+        want = [logp[start - 1 + j, token].item() for j, token in enumerate(rollout.response_ids)]
+        assert rollout.behaviour_logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_a_draft_equal_to_the_policy_is_always_accepted(policy, tokenizer):
+    spec = Speculation("draft", 4, 0.5, 20, policy)
+    fast = engine(policy, tokenizer, spec)
+    sample(fast, tokenizer, SamplingParams(n=16, max_new_tokens=8, seed=1))
+    metrics, events = fast.take_report()
+    assert metrics["rollout/spec_accept_rate"] > 0.99 and events == []
+
+
+def test_a_bad_draft_turns_itself_off_and_a_probe_turns_it_on(policy, other_draft, tokenizer):
+    spec = Speculation("draft", 4, 0.9, 3, other_draft)
+    fast = engine(policy, tokenizer, spec)
+    params = SamplingParams(n=32, max_new_tokens=8, seed=2)
+    sample(fast, tokenizer, params)
+    metrics, events = fast.take_report()
+    assert [kind for kind, _ in events] == ["speculation_off"]
+    assert metrics["rollout/spec_enabled"] == 1.0
+    for _ in range(2):  # off: plain decoding
+        sample(fast, tokenizer, params)
+        assert fast.take_report() == ({"rollout/spec_enabled": 0.0}, [])
+    spec.draft_model = policy  # the draft caught up; the third call off is a probe
+    sample(fast, tokenizer, params)
+    metrics, events = fast.take_report()
+    assert [kind for kind, _ in events] == ["speculation_on"]
+    assert metrics["rollout/spec_accept_rate"] > 0.99
