@@ -56,6 +56,13 @@ class ModelConfig:
     trust_remote_code: bool = _opt(False)
     gradient_checkpointing: bool = _opt(False)
     critic_path: str = _opt("")  # gae: the critic's backbone; empty = a copy of model.path
+    # LoRA adapters (PEFT): train only low-rank adapters on the frozen base (0 = off). The
+    # reference model is then the base with adapters switched off (no second copy loaded).
+    lora_rank: int = _opt(0, ge=0)
+    lora_alpha: float = _opt(16.0, gt=0.0)
+    lora_target_modules: list = _opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], items=str
+    )
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,9 @@ class RolloutConfig:
     spec_draft: str = _opt("")  # draft: a local Hugging Face model directory
     spec_min_accept: float = _opt(0.3, ge=0.0, le=1.0)  # below it speculation turns itself off
     spec_probe_every: int = _opt(20, ge=1)  # while off: every Nth generate call probes
+    # A generation batch running longer than this is cut: its unfinished samples end with
+    # finish_reason abort (counted in rollout/gen_timeouts) and are trained as they are. 0 = off.
+    gen_timeout_s: float = _opt(0.0, ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,9 @@ class TrainerConfig:
     val_every: int = _opt(10, ge=0)  # 0 = only at start and end
     val_at_start: bool = _opt(True)
     threads: int = _opt(0, ge=0)  # torch CPU threads; 0 = torch's default
+    # Mixed precision for the trainer's forward passes (weights, gradients and the optimizer
+    # stay in model.dtype, float32 by default: fp32 master weights with bf16 compute)
+    autocast: str = _opt("none", choices=("none", "bfloat16", "float16"))
 
 
 @dataclass(frozen=True)
@@ -216,6 +229,16 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    # Under the sync schedule on a GPU: when device memory in use passes the threshold (a
+    # fraction of the device's), the trainer's idle state (optimizer state, gradients, the
+    # reference model) goes to host memory during generation and comes back for the update.
+    # On a machine without CUDA it does nothing (and says so once, in events.jsonl).
+    dynamic_offload: bool = _opt(False)
+    offload_trigger_threshold: float = _opt(0.85, gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     # local: everything in this process (threads); ray: the trainer, rollout workers and reward
     # workers are Ray actors (honing/pipeline/ray_backend.py), on a local or existing cluster.
@@ -245,6 +268,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # Section name -> its dataclass, for key lookups.
@@ -424,7 +448,8 @@ GUIDE_ENGINES = {
     "sglang": "openai",
     "openai": "openai",
 }
-GUIDE_UPDATE_STRATEGIES = ("full",)  # every parameter is trained
+GUIDE_UPDATE_STRATEGIES = ("full", "lora")  # every parameter, or LoRA adapters
+GUIDE_LORA_RANK = 16  # update_strategy: lora without model.lora_rank
 
 
 def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -433,9 +458,11 @@ def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, 
     schedule_mode -> schedule.mode; modules.rollout.engine (transformers | vllm | sglang |
     openai) -> rollout.engine; modules.rollout.batch_size -> rollout.batch_size;
     modules.inference.models (URLs, or mappings with url/endpoint and name) ->
-    rollout.endpoints and rollout.model_name; modules.training.update_strategy must be full;
-    modules.rollout.mtp_enabled and memory_management.dynamic_offload must be false (not
-    supported yet, and said so). A key both here and in honing's sections must agree.
+    rollout.endpoints and rollout.model_name; modules.training.update_strategy full ->
+    model.lora_rank 0, lora -> model.lora_rank (16 unless set);
+    modules.rollout.mtp_enabled must be false (not supported yet, and said so);
+    memory_management.{dynamic_offload, offload_trigger_threshold} -> memory.*. A key both
+    here and in honing's sections must agree.
     """
     tree = dict(tree)
     mapped: dict[str, Any] = {}
@@ -492,12 +519,23 @@ def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, 
     strategy = training.get("update_strategy")
     if strategy is not None and strategy not in GUIDE_UPDATE_STRATEGIES:
         not_yet(
-            f"modules.training.update_strategy={strategy!r}", "honing trains every parameter: full"
+            f"modules.training.update_strategy={strategy!r}",
+            f"choose one of: {', '.join(GUIDE_UPDATE_STRATEGIES)}",
         )
+    if strategy == "full":
+        mapped["model.lora_rank"] = 0
+    elif strategy == "lora":
+        given = (
+            (tree.get("model") or {}).get("lora_rank")
+            if isinstance(tree.get("model"), dict)
+            else None
+        )
+        mapped["model.lora_rank"] = given if given else GUIDE_LORA_RANK
     memory = tree.pop("memory_management", None) or {}
     unknown("memory_management", set(memory) - {"dynamic_offload", "offload_trigger_threshold"})
-    if memory.get("dynamic_offload"):
-        not_yet("memory_management.dynamic_offload=true", "set it to false")
+    for name in ("dynamic_offload", "offload_trigger_threshold"):
+        if name in memory:
+            mapped[f"memory.{name}"] = memory[name]
     for key, value in mapped.items():
         section, _, name = key.partition(".")
         here = tree.setdefault(section, {})

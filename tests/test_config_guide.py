@@ -42,14 +42,25 @@ def test_the_guide_shape_maps_onto_honings_sections(tmp_path):
     assert config.rollout.endpoints == "http://10.0.0.5:30000,http://10.0.0.6:30000"
     assert config.rollout.model_name == "policy"
     assert config.trainer.total_steps == 7
+    assert config.model.lora_rank == 0  # update_strategy: full
+    assert not config.memory.dynamic_offload and config.memory.offload_trigger_threshold == 0.8
+
+
+def test_lora_and_dynamic_offload_map_too(tmp_path):
+    text = GUIDE.replace("update_strategy: full", "update_strategy: lora")
+    text = text.replace("dynamic_offload: false", "dynamic_offload: true")
+    config = load(tmp_path, text)
+    assert config.model.lora_rank == 16 and config.memory.dynamic_offload
+    ranked = load(tmp_path, text.replace("trainer:", "model:\n  lora_rank: 4\ntrainer:"))
+    assert ranked.model.lora_rank == 4
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (("mtp_enabled: false", "mtp_enabled: true"), "mtp_enabled=true is not supported"),
-        (("dynamic_offload: false", "dynamic_offload: true"), "dynamic_offload=true is not"),
-        (("update_strategy: full", "update_strategy: lora"), "update_strategy='lora' is not"),
+        (("update_strategy: full", "update_strategy: qlora"), "update_strategy='qlora' is not"),
+        (("trainer:", "model:\n  lora_rank: 8\ntrainer:"), "model.lora_rank is 8 but"),
         (("engine: sglang", "engine: tensorrt"), "modules.rollout.engine: 'tensorrt' is not"),
         (("mtp_enabled: false", "mtp: false"), "unknown config key modules.rollout.mtp"),
         (('schedule_mode: "async"', 'schedule_mode: "fast"'), "schedule.mode: 'fast' is not"),

@@ -113,3 +113,28 @@ def save_model(model, tokenizer, directory: str | Path) -> None:
     """Write ``model`` and ``tokenizer`` in Hugging Face format (safetensors)."""
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+
+
+def apply_lora(model, rank: int, alpha: float, targets: list[str]):
+    """Wrap ``model`` with LoRA adapters (PEFT): only the adapters train; the base is frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError(
+            "model.lora_rank > 0 needs PEFT: pip install peft (or pip install -e '.[lora]')"
+        ) from None
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ConfigError(
+            f"model.lora_target_modules: {missing} are not module names of this model "
+            f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})"
+        )
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none"
+    )
+    return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

@@ -24,6 +24,7 @@ from honing.data import (
 )
 from honing.errors import ConfigError, DataError
 from honing.models.loading import (
+    apply_lora,
     check_model_dir,
     load_causal_lm,
     load_tokenizer,
@@ -188,6 +189,7 @@ def update_settings(config: Config) -> UpdateSettings:
         temperature=config.rollout.temperature,
         clip_ratio_c=algo.clip_ratio_c,
         loss_scale_len=config.rollout.max_new_tokens,
+        autocast=trainer.autocast,
     )
 
 
@@ -219,6 +221,13 @@ def check_names(config: Config) -> None:
         raise ConfigError(
             "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
             "starting coefficient)"
+        )
+    remote = config.rollout.engine != "transformers" or config.pipeline.backend == "ray"
+    if config.model.lora_rank and remote:
+        raise ConfigError(
+            "model.lora_rank: LoRA runs with honing's in-process engine (rollout.engine="
+            "transformers, pipeline.backend=local); sending merged weights to remote engines "
+            "is not built yet"
         )
     from honing.pipeline.alerting import parse_rules
 
@@ -274,8 +283,10 @@ def build_components(config: Config, log=print) -> Components:
     )
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+    if m.lora_rank:
+        policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
     reference = None
-    if config.algorithm.kl_coef > 0:
+    if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
         reference = load_causal_lm(
             model_path,
             tokenizer,
@@ -320,6 +331,7 @@ def build_components(config: Config, log=print) -> Components:
         generation_batch=rollout.generation_batch,
         fast_decode=rollout.fast_decode,
         speculation=speculation(config, tokenizer, device),
+        gen_timeout_s=rollout.gen_timeout_s,
     )
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     parts = Components(

@@ -21,8 +21,10 @@ import torch
 from honing.algorithms import get_advantage, kl_penalty, masked_mean
 from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
 from honing.config import Config
+from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.trainer.batch import TrainBatch, collate, response_logprobs
+from honing.trainer.update import autocast
 from honing.types import Rollout
 
 
@@ -75,10 +77,16 @@ def make_experience(
     mask = batch.response_mask
     metrics: dict[str, float] = {}
     ref_logprobs = old_logprobs = None
-    with torch.no_grad():
-        if parts.reference is not None:
+    with torch.no_grad(), autocast(parts.update.autocast, parts.device):
+        if parts.reference is not None or (config.algorithm.kl_coef > 0 and is_lora(parts.policy)):
             started = time.perf_counter()
-            ref_logprobs, _ = response_logprobs(parts.reference, batch, temperature=temperature)
+            if parts.reference is not None:
+                ref_logprobs, _ = response_logprobs(parts.reference, batch, temperature=temperature)
+            else:  # LoRA: the reference is the base model, the policy with adapters off
+                with parts.policy.disable_adapter():
+                    ref_logprobs, _ = response_logprobs(
+                        parts.policy, batch, temperature=temperature
+                    )
             metrics["timing_s/ref"] = time.perf_counter() - started
         old_values = parts.critic(batch) if parts.critic is not None else None
         if needs_old_logprobs(config, parts, len(batch)):

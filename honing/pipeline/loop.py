@@ -31,6 +31,7 @@ from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
+from honing.pipeline.offload import Offloader
 from honing.pipeline.producer import RolloutProducer, check_supported
 from honing.pipeline.state import load_training_state, save_training_state, send_weights
 from honing.trainer.critic import update_critic
@@ -61,6 +62,7 @@ class TrainLoop:
         self.checkpoints = checkpoints
         self.lr_scale = 1.0  # rollbacks' accumulated learning-rate change
         self.producer: RolloutProducer | None = None  # one_step / async: rollouts made ahead
+        self.offload = Offloader(config.memory, config.schedule.mode, parts, logger.log_event)
 
     def run(self, start_step: int) -> None:
         cfg = self.config.trainer
@@ -196,7 +198,9 @@ class TrainLoop:
         parts, cfg = self.parts, self.config
         t0 = time.perf_counter()
         if self.producer is None:
+            offloaded = self.offload.before_generation()
             got, schedule = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step)), {}
+            schedule |= offloaded
         else:
             got, schedule = self.producer.take(step)
         metrics = self._rollout_metrics(got) | schedule
@@ -265,6 +269,7 @@ class TrainLoop:
 
     def _update(self, step: int, got: Collected) -> dict:
         parts, settings = self.parts, self.parts.update
+        reloaded = self.offload.before_update()
         t0 = time.perf_counter()
         rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
         exp = make_experience(self.config, parts, rollouts, rewards, got.baselines)
@@ -276,7 +281,7 @@ class TrainLoop:
             metrics |= self._update_critic(exp, torch.Generator().manual_seed(seed + 1))
             if step <= self.config.trainer.critic_warmup_steps:  # fit values before acting
                 metrics["timing_s/update"] = time.perf_counter() - t_update
-                return metrics
+                return metrics | reloaded
         generator = torch.Generator().manual_seed(seed)
         group = None
         if self.data_parallel is not None:
@@ -296,7 +301,7 @@ class TrainLoop:
         metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
         metrics["timing_s/update"] = time.perf_counter() - t_update
         metrics["timing_s/prepare"] = t_update - t0
-        return metrics
+        return metrics | reloaded
 
     def _update_critic(self, exp, generator: torch.Generator) -> dict:
         settings = self.parts.update

@@ -31,7 +31,7 @@ import torch
 from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
-from honing.models.loading import save_model
+from honing.models.loading import is_lora, save_model
 from honing.pipeline.components import Components
 
 TRAINER_STATE = "trainer_state.pt"
@@ -95,6 +95,8 @@ def save_training_state(
 def _load_weights(parts: Components, checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
+    if is_lora(parts.policy):
+        return _load_adapter(parts, checkpoint)
     weights = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
         weights.update(load_file(shard, device=str(parts.device)))
@@ -117,6 +119,34 @@ def _load_weights(parts: Components, checkpoint: Path) -> None:
         )
     if tied:
         parts.policy.tie_weights()
+
+
+def _load_adapter(parts: Components, checkpoint: Path) -> None:
+    """A LoRA run's checkpoint holds the adapters (PEFT's format); the base is model.path."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter = checkpoint / "adapter_model.safetensors"
+    if not adapter.exists():
+        raise UserError(
+            f"checkpoint {checkpoint} holds no LoRA adapter (adapter_model.safetensors): it was "
+            "not trained with model.lora_rank > 0; resume it with the same model.lora_* keys"
+        )
+    weights = load_file(adapter, device=str(parts.device))
+    try:
+        result = set_peft_model_state_dict(parts.policy, weights)
+    except RuntimeError as err:  # another rank or other target modules
+        first = str(err).strip().splitlines()[-1].strip()
+        raise UserError(
+            f"checkpoint {checkpoint}'s adapters do not fit model.lora_* ({first})"
+        ) from None
+    expected = {k for k in parts.policy.state_dict() if "lora_" in k}
+    missing = [k for k in result.missing_keys if k in expected]
+    if result.unexpected_keys or missing or not weights:
+        raise UserError(
+            f"checkpoint {checkpoint}'s adapters do not fit model.lora_* (missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]})"
+        )
 
 
 def load_training_state(parts: Components, checkpoint: Path) -> int:

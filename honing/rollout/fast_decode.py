@@ -42,8 +42,28 @@ SUPPORTED_CLASSES = {
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT (LoRA) wrapper, or ``model`` itself."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _plain_or_lora(linear: nn.Module) -> bool:
+    """An ``nn.Linear``, or PEFT's LoRA layer around one (no DoRA)."""
+    if type(linear) is nn.Linear:
+        return True
+    base = getattr(linear, "base_layer", None)
+    return (
+        type(linear).__module__.startswith("peft.tuners.lora")
+        and type(base) is nn.Linear
+        and not any(getattr(linear, "use_dora", {}).values())
+    )
+
+
 def supports(model: nn.Module) -> bool | str:
     """True when ``FastDecoder`` computes exactly what ``model``'s forward does, else the reason."""
+    model = unwrap(model)
     name, config = type(model).__name__, model.config
     if not type(model).__module__.startswith("transformers.models."):
         return f"{type(model).__module__}.{name} is not a transformers class"
@@ -65,8 +85,8 @@ def supports(model: nn.Module) -> bool | str:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(linear) is not nn.Linear for linear in linears):
-            return "a projection is not nn.Linear (quantised or adapter-wrapped)"
+        if not all(_plain_or_lora(linear) for linear in linears):
+            return "a projection is not nn.Linear or a LoRA layer on one (quantised?)"
         if set(dict(layer.named_children())) != {
             "self_attn",
             "mlp",
@@ -95,20 +115,29 @@ class _Layer(NamedTuple):
     down: tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return linear.weight, linear.bias
+def _params(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias; a LoRA layer's active adapters are merged into the weight (a copy made
+    per generation: the same output as PEFT's forward up to floating-point reassociation)."""
+    if type(linear) is nn.Linear:
+        return linear.weight, linear.bias
+    base = linear.base_layer
+    weight = base.weight
+    if not linear.disable_adapters and not linear.merged:
+        for name in linear.active_adapters:
+            if name in linear.lora_A:
+                delta = linear.lora_B[name].weight @ linear.lora_A[name].weight
+                weight = weight + delta * linear.scaling[name]
+    return weight, base.bias
 
 
-def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fused(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linears' weights stacked along the output dimension (a copy, made per generation so
     that the trainer's updates are seen); their outputs are the slices of the fused one's."""
-    weight = torch.cat([linear.weight for linear in linears])
-    if all(linear.bias is None for linear in linears):
+    params = [_params(linear) for linear in linears]
+    weight = torch.cat([w for w, _ in params])
+    if all(b is None for _, b in params):
         return weight, None
-    bias = [
-        linear.bias if linear.bias is not None else weight.new_zeros(linear.out_features)
-        for linear in linears
-    ]
+    bias = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in params]
     return weight, torch.cat(bias)
 
 
@@ -154,7 +183,7 @@ class FastDecoder:
         reason = supports(model)
         if reason is not True:
             raise ValueError(f"fast decoding does not apply: {reason}")
-        self.model = model
+        self.model = model = unwrap(model)
         attn = model.model.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.heads = model.config.num_attention_heads

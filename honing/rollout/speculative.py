@@ -28,6 +28,7 @@ Drafts:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class SpecStats:
     accepted: int = 0
     row_rounds: int = 0
     aborted: bool = False
+    cut: torch.Tensor | None = None  # rows stopped by the generation timeout
 
     @property
     def accept_rate(self) -> float:
@@ -152,13 +154,15 @@ def speculative_decode(
     prompt_rows: list[list[int]],
     judge_after: int = 4,
     min_accept: float = 0.0,
+    deadline: float = float("inf"),
 ) -> tuple[torch.Tensor, torch.Tensor, SpecStats]:
     """Sample up to ``budget`` [B] tokens per row (see the module).
 
     ``dist(logits [..., V]) -> (probs, logprobs)``: the sampling distribution (probabilities
     for the draws and the acceptance test; log-probabilities recorded for the trainer). After
     ``judge_after`` rounds with an acceptance rate below ``min_accept`` the call stops
-    speculating and decodes one token per step (``stats.aborted``).
+    speculating and decodes one token per step (``stats.aborted``). Past ``deadline``
+    (``time.perf_counter``) the rows still generating are cut (``stats.cut``).
 
     Returns tokens [B, N] and their logprobs [B, N] (``pad`` after a row's end), and the stats.
     """
@@ -182,6 +186,9 @@ def speculative_decode(
     stats = SpecStats()
     offsets = torch.arange(k + 1, device=device)
     while not bool(done.all()):
+        if time.perf_counter() > deadline:
+            stats.cut = ~done
+            break
         if stats.aborted:  # plain decoding: one token per row and step
             probs, logp = dist(target.step(t, pos_t[:, None]).float())
             t = sample_categorical(probs, generator)

@@ -144,6 +144,7 @@ class TransformersEngine:
         generation_batch: int = 256,
         fast_decode: bool = True,
         speculation: Speculation | None = None,
+        gen_timeout_s: float = 0.0,
     ):
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError("the tokenizer needs a pad token distinct from eos")
@@ -160,6 +161,7 @@ class TransformersEngine:
         self.fast_decode_reason = supports(model) if fast_decode else "disabled"
         self.fast_decode = self.fast_decode_reason is True
         self.speculation = speculation
+        self.gen_timeout_s = gen_timeout_s  # per generation batch; 0 = none
         if speculation is not None and not self.fast_decode:
             raise ValueError(
                 "rollout.speculative needs the fast decode path (rollout.fast_decode=true and "
@@ -183,6 +185,7 @@ class TransformersEngine:
             generation_batch=self.generation_batch,
             fast_decode=self.fast_decode_reason != "disabled",
             speculation=self.speculation.copy() if self.speculation else None,
+            gen_timeout_s=self.gen_timeout_s,
         )
         engine.weight_version = self.weight_version
         engine.shares_policy = False
@@ -215,6 +218,9 @@ class TransformersEngine:
                 rollouts += self._generate_chunk(chunk, params, generator)
         if spec is not None:
             self._add_report(spec.record(stats if speculate else None))
+        if self.gen_timeout_s:
+            cut = sum(r.finish_reason == "abort" for r in rollouts)
+            self._add_report(({"rollout/gen_timeouts": float(cut)}, []))
         return rollouts
 
     def take_report(self) -> tuple[dict[str, float], list[tuple[str, dict]]]:
@@ -247,13 +253,22 @@ class TransformersEngine:
             self.tokenizer.pad_token_id,
             [list(r.prompt_ids) for r in chunk],
             min_accept=spec.min_accept,
+            deadline=self._deadline(started),
         )
         self.model.train(was_training)
         stats.add(chunk_stats)
         seconds = time.perf_counter() - started
         return self._to_rollouts(
-            chunk, tokens.tolist(), logprobs.tolist(), budget.tolist(), seconds
+            chunk,
+            tokens.tolist(),
+            logprobs.tolist(),
+            budget.tolist(),
+            seconds,
+            chunk_stats.cut.tolist() if chunk_stats.cut is not None else None,
         )
+
+    def _deadline(self, started: float) -> float:
+        return started + self.gen_timeout_s if self.gen_timeout_s else float("inf")
 
     def _prepare(self, chunk, params: SamplingParams):
         """Left-padded prompt ids and mask [B, P], positions, and each row's token budget."""
@@ -280,6 +295,7 @@ class TransformersEngine:
         logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
         tokens, logprobs = [], []
         done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
+        deadline, cut = self._deadline(started), None
         for t in range(int(budget.max())):
             token, logprob = self._sample(logits.float(), params, generator)  # [B], [B]
             token = torch.where(done, torch.full_like(token, pad), token)
@@ -287,6 +303,9 @@ class TransformersEngine:
             logprobs.append(logprob)
             done = done | torch.isin(token, stop) | (t + 1 >= budget)
             if bool(done.all()):
+                break
+            if time.perf_counter() > deadline:  # rollout.gen_timeout_s: cut what still runs
+                cut = (~done).tolist()
                 break
             positions = positions[:, -1:] + 1
             logits = decoder.step(token, positions)
@@ -298,6 +317,7 @@ class TransformersEngine:
             torch.stack(logprobs, 1).tolist(),
             budget.tolist(),
             seconds,
+            cut,
         )
 
     @staticmethod
@@ -314,15 +334,23 @@ class TransformersEngine:
         token = sample_categorical(logp.exp(), generator)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
-    def _to_rollouts(self, chunk, token_rows, logprob_rows, budgets, seconds) -> list[Rollout]:
+    def _to_rollouts(
+        self, chunk, token_rows, logprob_rows, budgets, seconds, cut=None
+    ) -> list[Rollout]:
+        """Rollouts of the sampled rows; ``cut`` marks rows stopped by the generation timeout
+        (finish reason ``abort``)."""
         rollouts = []
-        for request, row, logps, budget in zip(
-            chunk, token_rows, logprob_rows, budgets, strict=True
+        cut = cut or [False] * len(chunk)
+        for request, row, logps, budget, was_cut in zip(
+            chunk, token_rows, logprob_rows, budgets, cut, strict=True
         ):
             row = row[:budget]  # later columns are padding from rows still generating
             end = next((i + 1 for i, tok in enumerate(row) if tok in self.stop_ids), None)
             if end is not None:
                 reason = "stop"
+            elif was_cut:
+                row = [tok for tok in row if tok != self.tokenizer.pad_token_id]
+                end, reason = len(row), "abort"
             else:
                 end, reason = len(row), "length"
             response = row[:end]

@@ -43,7 +43,9 @@ def head_logprobs(
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (hidden @ weight.T).float()  # [n, V], a fresh tensor: safe to modify in place
+    # [n, V], a fresh tensor: safe to modify in place. Under autocast the hidden states may
+    # be in a lower precision than the head's weight: the product is taken in theirs.
+    z = (hidden @ weight.T.to(hidden.dtype)).float()
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -90,7 +92,7 @@ class _FusedHead(torch.autograd.Function):
                 grad_z.div_(ctx.temperature)
             grad_z = grad_z.to(hidden.dtype)
             if want_hidden:
-                grad_hidden[rows] = grad_z @ weight
+                grad_hidden[rows] = grad_z @ weight.to(grad_z.dtype)
             if want_weight:
                 grad_weight.addmm_(grad_z.T.float(), hidden[rows].float())
         if want_weight:

@@ -8,6 +8,7 @@ one host sync per step, not one per micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -37,10 +38,18 @@ class UpdateSettings:
     temperature: float = 1.0
     clip_ratio_c: float = 0.0  # dual clip (ppo_clip only); 0 = off
     loss_scale_len: int = 0  # seq_mean_token_sum_norm's constant length; 0 = batch width
+    autocast: str = "none"  # none | bfloat16 | float16: the forward passes' compute dtype
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
         return self.ppo_epochs * per_epoch
+
+
+def autocast(dtype: str, device: torch.device):
+    """``torch.autocast`` to ``dtype`` on ``device``'s kind, or nothing for ``none``."""
+    if dtype == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
 def mini_batches(size: int, settings: UpdateSettings, generator: torch.Generator):
@@ -78,13 +87,14 @@ def micro_step(
     # any micro-batch split gives the same gradient.
     num_tokens, num_seqs, scale_len = counts
     norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_len": scale_len}
-    logprobs, entropy = response_logprobs(
-        model,
-        micro,
-        temperature=settings.temperature,
-        with_entropy=True,
-        entropy_grad=settings.entropy_coef > 0,
-    )  # [b, R]
+    with autocast(settings.autocast, micro.input_ids.device):
+        logprobs, entropy = response_logprobs(
+            model,
+            micro,
+            temperature=settings.temperature,
+            with_entropy=True,
+            entropy_grad=settings.entropy_coef > 0,
+        )  # [b, R]
     # On-policy (one optimizer step per batch): the old policy is the current one, ratio = 1.
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     mask = micro.response_mask

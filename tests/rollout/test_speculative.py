@@ -155,3 +155,17 @@ def test_a_bad_draft_turns_itself_off_and_a_probe_turns_it_on(policy, other_draf
     metrics, events = fast.take_report()
     assert [kind for kind, _ in events] == ["speculation_on"]
     assert metrics["rollout/spec_accept_rate"] > 0.99
+
+
+@pytest.mark.parametrize("kind", [None, "ngram"])
+def test_a_generation_timeout_cuts_runaway_samples_and_counts_them(policy, tokenizer, kind):
+    spec = Speculation(kind, 2, 0.0, 20) if kind else None
+    eng = TransformersEngine(
+        policy, tokenizer, device=torch.device("cpu"), speculation=spec, gen_timeout_s=1e-9
+    )
+    rollouts = sample(eng, tokenizer, SamplingParams(n=4, max_new_tokens=30, seed=1))
+    cut = [r for r in rollouts if r.finish_reason == "abort"]
+    assert cut and all(len(r.response_ids) == len(r.behaviour_logprobs) for r in rollouts)
+    assert all(tokenizer.pad_token_id not in r.response_ids for r in cut)
+    metrics, _ = eng.take_report()
+    assert metrics["rollout/gen_timeouts"] == len(cut)

@@ -1,0 +1,106 @@
+"""LoRA (model.lora_rank > 0): only the adapters train, the reference is the base with the
+adapters off (no second copy), checkpoints hold the adapters and load as base + adapter, a
+resumed run continues, and the fast decode path samples from the adapted policy."""
+
+import json
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from honing.errors import ConfigError  # noqa: E402
+from honing.models.loading import apply_lora, load_causal_lm, load_tokenizer  # noqa: E402
+from honing.pipeline.components import build_components  # noqa: E402
+from honing.pipeline.run import train  # noqa: E402
+from honing.rollout.fast_decode import FastDecoder, supports  # noqa: E402
+
+from ._configs import small_run_config  # noqa: E402
+
+LORA = {"model.lora_rank": 4, "trainer.lr": 5e-2, "trainer.val_at_start": False}
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_only_adapters_train_and_the_checkpoint_is_base_plus_adapter(
+    tmp_path, micro_model_dir, digit_reward
+):
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **LORA | {"trainer.total_steps": 3, "checkpoint.every": 3, "algorithm.kl_coef": 0.1},
+    )
+    parts = build_components(config, log=lambda m: None)
+    assert parts.reference is None  # the base with adapters off is the reference
+    trainable = [n for n, p in parts.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    train(config, tmp_path / "run", log=lambda m: None)
+    steps = metrics(tmp_path / "run")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["timing_s/ref"] > 0 for m in steps)  # the KL's reference pass ran
+    assert any(m["actor/kl_loss"] > 0 for m in steps)  # the adapters moved off the base
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_3"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    assert (checkpoint / "adapter_config.json").exists()
+    # base + adapter, loaded as PEFT users do, is the trained policy
+    tokenizer = load_tokenizer(checkpoint)
+    base = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    loaded = peft.PeftModel.from_pretrained(base, checkpoint).eval()
+    ids = torch.tensor([tokenizer.encode("12 + 7 =")])
+    untouched = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    with torch.no_grad():
+        adapted = loaded(input_ids=ids).logits
+        plain = untouched(input_ids=ids).logits
+    assert not torch.allclose(adapted, plain, atol=1e-4)  # the adapters changed the policy
+    assert all(torch.equal(before[k], v) for k, v in untouched.state_dict().items() if k in before)
+
+
+def test_a_lora_run_resumes_as_it_would_have_continued(tmp_path, micro_model_dir, digit_reward):
+    base = LORA | {"checkpoint.every": 2}
+    whole = small_run_config(micro_model_dir, digit_reward, **base | {"trainer.total_steps": 4})
+    train(whole, tmp_path / "whole", log=lambda m: None)
+    half = small_run_config(micro_model_dir, digit_reward, **base | {"trainer.total_steps": 2})
+    train(half, tmp_path / "split", log=lambda m: None)
+    train(whole, tmp_path / "split", log=lambda m: None)  # --resume auto from step 2
+    a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    for key in ("actor/pg_loss", "critic/score/mean"):
+        assert [m[key] for m in a][2:] == [m[key] for m in b if m["step"] > 2][-2:], key
+
+
+def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir):
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj", "down_proj"]).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at 0: make the adapters do something
+                param.normal_(0, 0.5)
+    assert supports(model) is True
+    ids = torch.tensor([tokenizer.encode("12 + 7 =")])
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[:, -1]
+        got = FastDecoder(model).prefill(ids, mask, positions, 4)
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits[:, -1]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(want, base, atol=1e-3)
+
+
+def test_lora_with_remote_engines_is_refused(micro_model_dir, digit_reward):
+    config = small_run_config(
+        micro_model_dir, digit_reward, **{"model.lora_rank": 4, "pipeline.backend": "ray"}
+    )
+    with pytest.raises(ConfigError, match="in-process engine"):
+        build_components(config, log=lambda m: None)
+    bad = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{"model.lora_rank": 4, "model.lora_target_modules": ["qq_proj"]},
+    )
+    with pytest.raises(ConfigError, match="qq_proj"):
+        build_components(bad, log=lambda m: None)
