@@ -7,12 +7,13 @@ model): the policy (~2.4M parameters) and a small draft (~0.1M) that learned the
 it agrees with the policy most of the time. A third model, the draft's shape with no
 training, is a draft that disagrees.
 
-Each generate call samples 8 prompts x 8 completions of up to ``--tokens`` new tokens at
-temperature 1. Settings, each timed over ``--calls`` calls, ``--pairs`` times in alternating
-order (medians reported): plain decoding; prompt lookup (ngram) with k = 2, 4; the agreeing
-draft with k = 2, 4; the disagreeing draft with k = 4 and the automatic switch (speculation
-turns itself off after the first call and probes every 20). Ratios are tokens/s against plain
-decoding measured in the same pair. Writes benchmarks/results/speculative.{json,md}.
+Each generate call samples completions of up to ``--tokens`` + 1 new tokens at temperature 1,
+for a batch of 64 rows (8 prompts x 8) and of 8 rows (1 prompt x 8). Settings: plain decoding;
+prompt lookup (ngram) with k = 2, 4; the agreeing draft with k = 2, 4; the disagreeing draft
+with k = 4 and the automatic switch (speculation turns itself off after the first call and
+probes every 20). The calls of all settings are interleaved; ratios are tokens/s against plain
+decoding within each block of ``--calls`` calls, median of ``--pairs`` blocks. Writes
+benchmarks/results/speculative.{json,md}.
 
     .venv/bin/python -m benchmarks.speculative [--calls 20] [--pairs 3] [--tokens 48]
 """
@@ -97,29 +98,63 @@ def settings(loaded) -> dict:
     }
 
 
-def time_calls(engine, requests, params, calls: int) -> dict:
-    tokens, started = 0, time.perf_counter()
-    rates = []
-    for call in range(calls):
-        rollouts = engine.generate(requests, SamplingParams(**{**params.__dict__, "seed": call}))
-        tokens += sum(len(r.response_ids) for r in rollouts)
-        metrics, _ = engine.take_report()
-        if "rollout/spec_accept_rate" in metrics:
-            rates.append(metrics["rollout/spec_accept_rate"])
-    seconds = time.perf_counter() - started
-    return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "spec_calls": len(rates),
-        "accept_rate": statistics.fmean(rates) if rates else None,
-    }
+def make_engines(loaded, tokenizer) -> dict:
+    engines = {}
+    for name, spec in settings(loaded).items():
+        speculation = Speculation(spec[0], spec[1], 0.3, 20, spec[2]) if spec else None
+        engines[name] = TransformersEngine(
+            loaded["policy"], tokenizer, device=torch.device("cpu"), speculation=speculation
+        )
+    return engines
+
+
+def run_batch(engines, requests, params, calls: int, pairs: int) -> dict:
+    """Every setting's generate call ``calls`` times, interleaved call by call (the order
+    rotating), so that drift of the machine's speed hits every setting alike. Each of the
+    ``pairs`` blocks of calls gives one ratio per setting against plain decoding."""
+    names = list(engines)
+    for engine in engines.values():  # warm-up, not timed; the switch starts afresh
+        engine.generate(requests[:1], params)
+        engine.take_report()
+        if engine.speculation is not None:
+            engine.speculation.enabled, engine.speculation.calls_off = True, 0
+    blocks = [{name: [0, 0.0, 0, []] for name in names} for _ in range(pairs)]
+    for call in range(calls * pairs):
+        block = blocks[call // calls]
+        offset = call % len(names)
+        for name in names[offset:] + names[:offset]:
+            call_params = SamplingParams(**{**params.__dict__, "seed": call})
+            started = time.perf_counter()
+            rollouts = engines[name].generate(requests, call_params)
+            seconds = time.perf_counter() - started
+            metrics, _ = engines[name].take_report()
+            entry = block[name]
+            entry[0] += sum(len(r.response_ids) for r in rollouts)
+            entry[1] += seconds
+            entry[2] += "rollout/spec_accept_rate" in metrics
+            if "rollout/spec_accept_rate" in metrics:
+                entry[3].append(metrics["rollout/spec_accept_rate"])
+    summary = {}
+    for name in names:
+        speeds = [b[name][0] / b[name][1] for b in blocks]
+        ratios = [b[name][0] / b[name][1] / (b["plain"][0] / b["plain"][1]) for b in blocks]
+        rates = [r for b in blocks for r in b[name][3]]
+        summary[name] = {
+            "tokens_per_s": statistics.median(speeds),
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "accept_rate": statistics.fmean(rates) if rates else None,
+            "spec_calls": sum(b[name][2] for b in blocks),
+            "calls": calls * pairs,
+        }
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20, help="calls per block")
+    parser.add_argument("--pairs", type=int, default=3, help="blocks (one ratio each)")
     parser.add_argument("--tokens", type=int, default=48, help="copied string length")
     args = parser.parse_args()
     host = configure_host(0)
@@ -130,37 +165,12 @@ def main() -> None:
         for i, (prompt, _) in enumerate(prompts)
     ]
     params = SamplingParams(n=8, max_new_tokens=args.tokens + 1, max_seq_len=128)
-    runs: dict[str, list] = {name: [] for name in settings(loaded)}
-    for pair in range(args.pairs):
-        names = list(runs) if pair % 2 == 0 else list(reversed(runs))
-        for name in names:
-            spec = settings(loaded)[name]
-            speculation = Speculation(spec[0], spec[1], 0.3, 20, spec[2]) if spec else None
-            engine = TransformersEngine(
-                loaded["policy"], tokenizer, device=torch.device("cpu"), speculation=speculation
-            )
-            engine.generate(requests[:1], params)  # warm-up, not timed
-            engine.take_report()
-            if speculation is not None:
-                speculation.enabled, speculation.calls_off = True, 0
-            runs[name].append(time_calls(engine, requests, params, args.calls))
-            print(name, pair, json.dumps(runs[name][-1]), flush=True)
-    summary = {}
-    for name, results in runs.items():
-        ratios = [
-            r["tokens_per_s"] / p["tokens_per_s"]
-            for r, p in zip(results, runs["plain"], strict=True)
-        ]
-        summary[name] = {
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
-            "ratio": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-            "accept_rate": statistics.median(
-                [r["accept_rate"] for r in results if r["accept_rate"] is not None] or [0.0]
-            ),
-            "spec_calls": results[0]["spec_calls"],
-        }
+    batches = {"64 rows (8 prompts x 8)": requests, "8 rows (1 prompt x 8)": requests[:1]}
+    results = {}
+    for label, batch in batches.items():
+        engines = make_engines(loaded, tokenizer)
+        results[label] = run_batch(engines, batch, params, args.calls, args.pairs)
+        print(label, json.dumps(results[label]), flush=True)
     params_count = {n: sum(p.numel() for p in m.parameters()) for n, m in loaded.items()}
     record = {
         "command": "python -m benchmarks.speculative "
@@ -169,8 +179,7 @@ def main() -> None:
         f"threads, torch {torch.__version__}",
         "host": host,
         "parameters": params_count,
-        "summary": summary,
-        "runs": runs,
+        "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "speculative.json").write_text(json.dumps(record, indent=1))
@@ -178,19 +187,29 @@ def main() -> None:
         "# Speculative decoding: generation tokens/s on the CPU",
         "",
         f"`{record['command']}` on {record['machine']}. Policy "
-        f"{params_count['policy'] / 1e6:.2f}M parameters, draft "
-        f"{params_count['draft'] / 1e6:.2f}M; 64 completions of up to {args.tokens + 1} tokens "
-        f"per call, {args.calls} calls per run, medians of {args.pairs} alternating pairs.",
-        "",
-        "| setting | tokens/s | vs plain (min–max) | acceptance | calls that speculated |",
-        "|---|---|---|---|---|",
+        f"{params_count['policy'] / 1e6:.2f}M parameters, agreeing draft "
+        f"{params_count['draft'] / 1e6:.2f}M (trained on the same copy task), disagreeing draft "
+        f"the same shape untrained; completions of up to {args.tokens + 1} tokens at "
+        f"temperature 1. Calls of every setting interleaved; ratio = tokens/s against plain "
+        f"decoding in the same block of {args.calls} calls, median (min–max) of {args.pairs} "
+        "blocks. The bad draft runs with the automatic switch (rollout.spec_min_accept 0.3, "
+        "probe every 20 calls).",
     ]
-    for name, s in summary.items():
-        lines.append(
-            f"| {name} | {s['tokens_per_s']:.0f} | {s['ratio']:.2f}× "
-            f"({s['ratio_min']:.2f}–{s['ratio_max']:.2f}) | {s['accept_rate']:.2f} | "
-            f"{s['spec_calls']} / {args.calls} |"
-        )
+    for label, summary in results.items():
+        lines += [
+            "",
+            f"## {label}",
+            "",
+            "| setting | tokens/s | vs plain | acceptance | calls that speculated |",
+            "|---|---|---|---|---|",
+        ]
+        for name, s in summary.items():
+            rate = "–" if s["accept_rate"] is None else f"{s['accept_rate']:.2f}"
+            lines.append(
+                f"| {name} | {s['tokens_per_s']:.0f} | {s['ratio']:.2f}× "
+                f"({s['ratio_min']:.2f}–{s['ratio_max']:.2f}) | {rate} | "
+                f"{s['spec_calls']} / {s['calls']} |"
+            )
     (RESULTS / "speculative.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
