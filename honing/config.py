@@ -104,12 +104,14 @@ class RolloutConfig:
     generation_batch: int = _opt(256, ge=1)  # sequences per generate call
     fast_decode: bool = _opt(True)  # lean exact forward for Llama-family models while sampling
     # Speculative decoding in honing's engine (exact: the policy's distribution is kept):
-    # off; ngram (prompt lookup); draft (a small model at spec_draft with the same tokenizer)
-    speculative: str = _opt("off", choices=("off", "ngram", "draft"))
+    # off; ngram (prompt lookup); draft (a small model at spec_draft with the same tokenizer);
+    # mtp (multi-token-prediction heads on the policy's hidden states, trained online)
+    speculative: str = _opt("off", choices=("off", "ngram", "draft", "mtp"))
     spec_tokens: int = _opt(4, ge=1, le=16)  # draft tokens proposed per verify round (k)
     spec_draft: str = _opt("")  # draft: a local Hugging Face model directory
     spec_min_accept: float = _opt(0.3, ge=0.0, le=1.0)  # below it speculation turns itself off
     spec_probe_every: int = _opt(20, ge=1)  # while off: every Nth generate call probes
+    mtp_lr: float = _opt(1e-3, gt=0.0)  # mtp: the heads' learning rate (their own AdamW)
     # A generation batch running longer than this is cut: its unfinished samples end with
     # finish_reason abort (counted in rollout/gen_timeouts) and are trained as they are. 0 = off.
     gen_timeout_s: float = _opt(0.0, ge=0.0)
@@ -460,7 +462,7 @@ def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, 
     modules.inference.models (URLs, or mappings with url/endpoint and name) ->
     rollout.endpoints and rollout.model_name; modules.training.update_strategy full ->
     model.lora_rank 0, lora -> model.lora_rank (16 unless set);
-    modules.rollout.mtp_enabled must be false (not supported yet, and said so);
+    modules.rollout.mtp_enabled -> rollout.speculative (mtp, or off);
     memory_management.{dynamic_offload, offload_trigger_threshold} -> memory.*. A key both
     here and in honing's sections must agree.
     """
@@ -492,8 +494,8 @@ def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, 
         mapped["rollout.engine"] = GUIDE_ENGINES[engine]
     if "batch_size" in rollout:
         mapped["rollout.batch_size"] = rollout["batch_size"]
-    if rollout.get("mtp_enabled"):
-        not_yet("modules.rollout.mtp_enabled=true", "multi-token prediction; set it to false")
+    if "mtp_enabled" in rollout:  # MTP self-speculative decoding (off: no speculation)
+        mapped["rollout.speculative"] = "mtp" if rollout["mtp_enabled"] else "off"
     inference = modules.get("inference") or {}
     unknown("modules.inference", set(inference) - {"models"})
     if inference.get("models"):

@@ -51,6 +51,9 @@ def test_lora_and_dynamic_offload_map_too(tmp_path):
     text = text.replace("dynamic_offload: false", "dynamic_offload: true")
     config = load(tmp_path, text)
     assert config.model.lora_rank == 16 and config.memory.dynamic_offload
+    assert config.rollout.speculative == "off"  # mtp_enabled: false
+    mtp = load(tmp_path, text.replace("mtp_enabled: false", "mtp_enabled: true"))
+    assert mtp.rollout.speculative == "mtp"
     ranked = load(tmp_path, text.replace("trainer:", "model:\n  lora_rank: 4\ntrainer:"))
     assert ranked.model.lora_rank == 4
 
@@ -58,7 +61,6 @@ def test_lora_and_dynamic_offload_map_too(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (("mtp_enabled: false", "mtp_enabled: true"), "mtp_enabled=true is not supported"),
         (("update_strategy: full", "update_strategy: qlora"), "update_strategy='qlora' is not"),
         (("trainer:", "model:\n  lora_rank: 8\ntrainer:"), "model.lora_rank is 8 but"),
         (("engine: sglang", "engine: tensorrt"), "modules.rollout.engine: 'tensorrt' is not"),

@@ -73,6 +73,8 @@ class Components:
     critic_optimizer: torch.optim.Optimizer | None = None
     # Another scorer like ``scorer`` (the async producer's scoring threads each need one).
     make_scorer: Callable[[], Scorer] | None = None
+    mtp: torch.nn.Module | None = None  # rollout.speculative=mtp: the heads, trained online
+    mtp_optimizer: torch.optim.Optimizer | None = None
 
 
 def cache_dir(config: Config) -> Path:
@@ -330,9 +332,10 @@ def build_components(config: Config, log=print) -> Components:
         device=device,
         generation_batch=rollout.generation_batch,
         fast_decode=rollout.fast_decode,
-        speculation=speculation(config, tokenizer, device),
+        speculation=speculation(config, tokenizer, device, policy),
         gen_timeout_s=rollout.gen_timeout_s,
     )
+    mtp = local.speculation.draft_model if rollout.speculative == "mtp" else None
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     parts = Components(
         model_path=model_path,
@@ -369,6 +372,8 @@ def build_components(config: Config, log=print) -> Components:
             config.algorithm.kl_horizon,
         ),
         make_scorer=lambda: build_scorer(config),
+        mtp=mtp,
+        mtp_optimizer=torch.optim.AdamW(mtp.parameters(), lr=rollout.mtp_lr) if mtp else None,
     )
     if config.pipeline.backend == "ray":  # rollout and reward workers as Ray actors
         from honing.pipeline import ray_backend
@@ -377,8 +382,9 @@ def build_components(config: Config, log=print) -> Components:
     return parts
 
 
-def speculation(config: Config, tokenizer, device: torch.device):
-    """``rollout.speculative``'s settings, with the draft model loaded (None when off)."""
+def speculation(config: Config, tokenizer, device: torch.device, policy=None):
+    """``rollout.speculative``'s settings, with the draft model loaded or the MTP heads made
+    for ``policy`` (None when off)."""
     from honing.rollout.fast_decode import supports
     from honing.rollout.speculative import Speculation
 
@@ -393,6 +399,10 @@ def speculation(config: Config, tokenizer, device: torch.device):
     if not rollout.fast_decode:
         raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
     draft = None
+    if rollout.speculative == "mtp":
+        from honing.rollout.mtp import MtpHeads
+
+        draft = MtpHeads(policy.config.hidden_size, rollout.spec_tokens).to(device)
     if rollout.speculative == "draft":
         if not rollout.spec_draft:
             raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")

@@ -35,6 +35,7 @@ from honing.pipeline.offload import Offloader
 from honing.pipeline.producer import RolloutProducer, check_supported
 from honing.pipeline.state import load_training_state, save_training_state, send_weights
 from honing.trainer.critic import update_critic
+from honing.trainer.mtp import train_mtp
 from honing.trainer.update import mini_batches, update_policy
 from honing.types import Rollout, Score
 
@@ -300,6 +301,8 @@ class TrainLoop:
         )
         metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
         metrics["timing_s/update"] = time.perf_counter() - t_update
+        if parts.mtp is not None:  # the draft heads learn the updated policy's hidden states
+            metrics |= train_mtp(parts.mtp, parts.mtp_optimizer, parts.policy, batch, generator)
         metrics["timing_s/prepare"] = t_update - t0
         return metrics | reloaded
 

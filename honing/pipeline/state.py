@@ -74,6 +74,8 @@ def save_training_state(
         if parts.critic is not None:
             state["critic"] = parts.critic.state_dict()
             state["critic_optimizer"] = parts.critic_optimizer.state_dict()
+        if parts.mtp is not None:
+            state["mtp"] = (parts.mtp.state_dict(), parts.mtp_optimizer.state_dict())
         torch.save(state, directory / TRAINER_STATE)
         info = {
             "step": step,
@@ -167,6 +169,9 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
     parts.scheduler.load_state_dict(state["scheduler"])
     if "optimizer" in state:
         parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.mtp is not None and "mtp" in state:  # else the heads start afresh (and learn)
+        parts.mtp.load_state_dict(state["mtp"][0])
+        parts.mtp_optimizer.load_state_dict(state["mtp"][1])
     if parts.critic is not None:
         if "critic" not in state:
             raise UserError(

@@ -177,6 +177,7 @@ class FastDecoder:
     Usage: ``logits = decoder.prefill(ids, mask, positions, max_new_tokens)`` then, per new
     token, ``logits = decoder.step(token, positions)``; both return the last position's logits
     ``[B, V]`` in the model dtype. Call under ``torch.no_grad()`` with the model in eval mode.
+    ``hidden`` holds the final (normed) hidden states the last call's logits came from.
     """
 
     def __init__(self, model: nn.Module):
@@ -277,8 +278,11 @@ class FastDecoder:
             x = x + F.linear(F.silu(gate) * up, *layer.down)
         self.length = end
         if every_position:
-            return F.linear(_rms_norm(x, self.final_norm), *self.lm_head)  # [B, T, V]
+            normed = _rms_norm(x, self.final_norm)  # [B, T, E]
+            self.hidden = normed
+            return F.linear(normed, *self.lm_head)  # [B, T, V]
         last = _rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
+        self.hidden = last[:, None]  # [B, 1, E]: what the last position's logits came from
         return F.linear(last, *self.lm_head)  # [B, V]
 
     def _step_attention(

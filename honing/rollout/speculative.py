@@ -24,6 +24,8 @@ Drafts:
   last earlier occurrence of the row's trailing n-gram (n = 3, 2, 1) in its prompt and output.
 - ``ModelDraft`` (``rollout.speculative=draft``, ``rollout.spec_draft=PATH``): a small causal LM
   with the policy's tokenizer, run with its own ``FastDecoder``.
+- ``mtp.MtpDraft`` (``rollout.speculative=mtp``): multi-token-prediction heads on the policy's
+  own hidden states, trained online from the rollouts.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ def speculative_decode(
     rows, device = ids.shape[0], ids.device
     most = int(budget.max())
     capacity = most * (k + 1) + 1
+    if hasattr(draft, "bind"):  # a draft that reads the policy's hidden states (MTP heads)
+        draft.bind(target)
     logits = target.prefill(ids, mask, positions, capacity)
     probs, logp = dist(logits.float())
     t = sample_categorical(probs, generator)
@@ -275,10 +279,10 @@ class Speculation:
         probe_every: int,
         draft_model=None,
     ):
-        if kind not in ("ngram", "draft"):
-            raise ValueError(f"rollout.speculative: {kind!r} is not ngram or draft")
-        if kind == "draft" and draft_model is None:
-            raise ValueError("rollout.speculative=draft needs a draft model (rollout.spec_draft)")
+        if kind not in ("ngram", "draft", "mtp"):
+            raise ValueError(f"rollout.speculative: {kind!r} is not ngram, draft or mtp")
+        if kind in ("draft", "mtp") and draft_model is None:
+            raise ValueError(f"rollout.speculative={kind} needs a draft model or MTP heads")
         self.kind, self.tokens = kind, tokens
         self.min_accept, self.probe_every = min_accept, probe_every
         self.draft_model = draft_model
@@ -293,8 +297,15 @@ class Speculation:
         other.enabled, other.calls_off = self.enabled, self.calls_off
         return other
 
-    def draft(self):
-        return NgramDraft() if self.kind == "ngram" else ModelDraft(self.draft_model)
+    def draft(self, policy=None):
+        """A fresh draft for one generation; ``mtp`` reads ``policy``'s output head."""
+        if self.kind == "ngram":
+            return NgramDraft()
+        if self.kind == "mtp":
+            from honing.rollout.mtp import MtpDraft, output_head
+
+            return MtpDraft(self.draft_model, output_head(policy))
+        return ModelDraft(self.draft_model)
 
     def should_speculate(self) -> bool:
         if self.enabled:

@@ -241,7 +241,7 @@ class TransformersEngine:
         spec = self.speculation
         tokens, logprobs, chunk_stats = speculative_decode(
             FastDecoder(self.model),
-            spec.draft(),
+            spec.draft(self.model),
             ids,
             mask,
             positions,

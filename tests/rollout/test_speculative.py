@@ -11,6 +11,7 @@ from honing.data import warmstart_corpus
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.mtp import MtpHeads
 from honing.rollout.speculative import Speculation
 from honing.rollout.transformers_engine import TransformersEngine
 
@@ -43,6 +44,14 @@ def other_draft(tmp_path_factory, tokenizer):
     corpus = warmstart_corpus(200, 3, 2, 0.9)
     path = build_tiny_model(tmp_path_factory.mktemp("draft"), corpus, spec, log=lambda m: None)
     return load_causal_lm(path, tokenizer, dtype="float32", device="cpu").eval()
+
+
+def random_heads(policy, count=4):
+    heads = MtpHeads(policy.config.hidden_size, count)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.out.weight.normal_(0, 0.3)
+    return heads
 
 
 def engine(policy, tokenizer, speculation=None):
@@ -88,11 +97,13 @@ def same_distribution_z(a, b):
         ("draft", SamplingParams(n=ROWS, max_new_tokens=4, temperature=1.3, seed=3)),
         ("draft", SamplingParams(n=ROWS, max_new_tokens=4, temperature=0.8, top_k=6, seed=4)),
         ("ngram", SamplingParams(n=ROWS, max_new_tokens=4, temperature=1.3, seed=5)),
+        ("mtp", SamplingParams(n=ROWS, max_new_tokens=4, temperature=1.3, seed=6)),
     ],
 )
 def test_tokens_follow_the_policys_distribution(policy, other_draft, tokenizer, kind, params):
     plain = sample(engine(policy, tokenizer), tokenizer, params)
-    spec = Speculation(kind, 3, 0.0, 20, other_draft if kind == "draft" else None)
+    drafts = {"draft": other_draft, "mtp": random_heads(policy), "ngram": None}
+    spec = Speculation(kind, 3, 0.0, 20, drafts[kind])
     fast = engine(policy, tokenizer, spec)
     drafted = sample(fast, tokenizer, params)
     metrics, _ = fast.take_report()
@@ -111,8 +122,8 @@ def test_greedy_output_and_logprobs_are_the_policys(policy, other_draft, tokeniz
     prompts = ["12 + 7 =", "3 + 45 =", "1 + 1 ="]
     requests = [GenerationRequest(f"p{i}", tokenizer.encode(p), i) for i, p in enumerate(prompts)]
     plain = engine(policy, tokenizer).generate(requests, params)
-    for kind in ("draft", "ngram"):
-        spec = Speculation(kind, 4, 0.0, 20, other_draft)
+    for kind in ("draft", "ngram", "mtp"):
+        spec = Speculation(kind, 4, 0.0, 20, random_heads(policy) if kind == "mtp" else other_draft)
         drafted = engine(policy, tokenizer, spec).generate(requests, params)
         for a, b in zip(plain, drafted, strict=True):
             assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
