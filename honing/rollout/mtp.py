@@ -1,17 +1,24 @@
 """Multi-token-prediction heads on the policy's own hidden states, as a speculative draft
 (``rollout.speculative=mtp``).
 
-Head j (j = 1 .. k) maps the policy's final, normed hidden state at position i to the
-distribution of token i + 1 + j (the policy's own head predicts i + 1): a residual block
-``h + W_out SiLU(W_in h)`` (W_out starts at zero, so a new head starts as the policy's head;
-Medusa's heads are the one-matrix form, https://arxiv.org/abs/2401.10774) followed by the
-policy's output head, shared and not trained here. The heads are trained online from the
-rollouts (``honing.trainer.mtp``) while the policy trains; until they agree with it the
-engine's automatic switch keeps speculation off, and its probes turn it on once they do.
+The heads form a chain, as DeepSeek-V3's MTP modules do (https://arxiv.org/abs/2412.19437,
+section 2.2; here a residual MLP stands where they put a transformer block). Position i's
+final, normed hidden state h_i predicts token i + 1 through the policy's own head; head 1 takes
+h_i and the embedding of token i + 1 and predicts token i + 2; head j takes head j - 1's
+features and the embedding of token i + j and predicts token i + j + 1:
 
-As a draft the heads cost no forward pass of their own: the policy's verify pass already
-computed the hidden state of the position that predicted the round's last token, and the heads
-read their k proposals from it.
+    f_0 = h_i,  f_j = block_j(mix_j([rms(f_{j-1}); rms(emb(t_{i+j}))])),  logits_j = head(f_j)
+
+``mix_j`` starts as "take f_{j-1}" and ``block_j`` (``f + W_out SiLU(W_in f)``, W_out at
+zero) as the identity, so a new head predicts what the policy's head would. The embedding and
+the output head are the policy's, shared and not trained here. The heads are trained online
+from the rollouts with their own optimizer (``honing.trainer.mtp``) while the policy trains;
+until they agree with it the engine's automatic switch keeps speculation off, and its probes
+turn it on once they do.
+
+As a draft the heads cost no forward pass of the policy: its verify pass already computed the
+hidden state of the position that predicted the round's last token, and the chain runs from
+there, one small MLP per proposed token.
 """
 
 from __future__ import annotations
@@ -21,35 +28,44 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _Block(nn.Module):
-    """``h + W_out SiLU(W_in h)``; W_out starts at zero, so a new head is the policy's head."""
-
+class _Head(nn.Module):
     def __init__(self, hidden_size: int):
         super().__init__()
+        self.mix = nn.Linear(2 * hidden_size, hidden_size)
         self.inner = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
+        with torch.no_grad():  # start as the identity on the previous features
+            self.mix.weight.zero_()
+            self.mix.weight[:, :hidden_size] = torch.eye(hidden_size)
+            self.mix.bias.zero_()
+            self.out.weight.zero_()
+            self.out.bias.zero_()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.out(F.silu(self.inner(hidden)))
+    def forward(self, features: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        width = features.shape[-1]
+        mixed = self.mix(
+            torch.cat([F.rms_norm(features, (width,)), F.rms_norm(embedded, (width,))], -1)
+        )
+        return mixed + self.out(F.silu(self.inner(mixed)))
 
 
 class MtpHeads(nn.Module):
-    """k residual heads over a hidden size; ``forward`` gives logits [..., k, V]."""
+    """k chained heads over a hidden size (see the module)."""
 
     def __init__(self, hidden_size: int, heads: int):
         super().__init__()
-        self.blocks = nn.ModuleList(_Block(hidden_size) for _ in range(heads))
+        self.blocks = nn.ModuleList(_Head(hidden_size) for _ in range(heads))
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., k, H]: each head's input to the output head."""
-        return torch.stack([block(hidden) for block in self.blocks], dim=-2)
+    def step(self, j: int, features: torch.Tensor, tokens: torch.Tensor, policy) -> torch.Tensor:
+        """Head ``j`` (0-based): the features after ``features`` and the next ``tokens``."""
+        embedding = input_embedding(policy).weight.detach()
+        return self.blocks[j](features.float(), F.embedding(tokens, embedding).float())
 
-    def forward(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        weight = head.weight.detach()
-        bias = head.bias.detach() if head.bias is not None else None
-        return F.linear(self.features(hidden).to(weight.dtype), weight, bias)
+
+def input_embedding(model: nn.Module) -> nn.Module:
+    from honing.rollout.fast_decode import unwrap
+
+    return unwrap(model).get_input_embeddings()
 
 
 def output_head(model: nn.Module) -> nn.Module:
@@ -58,15 +74,22 @@ def output_head(model: nn.Module) -> nn.Module:
     return unwrap(model).get_output_embeddings()
 
 
+def head_logits(model: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """The policy's output head on ``features`` (no gradient to the head itself)."""
+    head = output_head(model)
+    bias = head.bias.detach() if head.bias is not None else None
+    return F.linear(features.to(head.weight.dtype), head.weight.detach(), bias)
+
+
 class MtpDraft:
     """The heads as a draft for ``speculative_decode``: proposals sampled from each head's
-    (filtered, tempered) distribution, read from the policy's hidden state of the position
-    that predicted the pending token."""
+    (filtered, tempered) distribution, the chain starting at the policy's hidden state of the
+    position that predicted the pending token."""
 
     point_mass = False
 
-    def __init__(self, heads: MtpHeads, head: nn.Module):
-        self.heads, self.head = heads, head
+    def __init__(self, heads: MtpHeads, policy: nn.Module):
+        self.heads, self.policy = heads, policy
 
     def bind(self, target) -> None:
         self.target = target
@@ -81,15 +104,19 @@ class MtpDraft:
             raise ValueError(
                 f"rollout.spec_tokens={k} but there are {len(self.heads.blocks)} heads"
             )
-        logits = self.heads(self.hidden.float(), self.head)[:, :k]  # [B, k, V]
-        probs, _ = dist(logits.float())
-        probs = probs / probs.sum(-1, keepdim=True)
-        tokens = torch.stack([sample_categorical(probs[:, j], generator) for j in range(k)], dim=1)
-        return tokens, probs
+        features, token = self.hidden, t
+        tokens, dists = [], []
+        for j in range(k):
+            features = self.heads.step(j, features, token, self.policy)
+            probs, _ = dist(head_logits(self.policy, features).float())
+            probs = probs / probs.sum(-1, keepdim=True)
+            token = sample_categorical(probs, generator)
+            tokens.append(token)
+            dists.append(probs)
+        return torch.stack(tokens, 1), torch.stack(dists, 1)
 
     def settle(self, accepted: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor):
         # The verify block's position a (after t and x_1 .. x_a) predicted the new token y.
         hidden = self.target.hidden  # [B, k + 1, H]
-        self.hidden = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1]))[
-            :, 0
-        ]
+        index = accepted[:, None, None].expand(-1, 1, hidden.shape[-1])
+        self.hidden = hidden.gather(1, index)[:, 0]

@@ -302,9 +302,9 @@ class Speculation:
         if self.kind == "ngram":
             return NgramDraft()
         if self.kind == "mtp":
-            from honing.rollout.mtp import MtpDraft, output_head
+            from honing.rollout.mtp import MtpDraft
 
-            return MtpDraft(self.draft_model, output_head(policy))
+            return MtpDraft(self.draft_model, policy)
         return ModelDraft(self.draft_model)
 
     def should_speculate(self) -> bool:

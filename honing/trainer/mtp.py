@@ -1,7 +1,8 @@
 """Online training of the multi-token-prediction heads (``honing.rollout.mtp``) from the
-step's rollouts: the policy's hidden states (after its update, without gradient) are the
-inputs, the tokens 2 .. k + 1 positions ahead in the responses the targets. The heads have
-their own optimizer and loss; the policy is not touched.
+step's rollouts, with teacher forcing: the policy's hidden states (after its update, without
+gradient) start the chain at every response position, the true next tokens feed it, and head
+j is trained on the token j + 1 positions ahead. The heads have their own optimizer and loss;
+the policy is not touched.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from honing.rollout.fast_decode import unwrap
-from honing.rollout.mtp import MtpHeads, output_head
+from honing.rollout.mtp import MtpHeads, head_logits
 from honing.trainer.batch import TrainBatch
 
-MTP_TOKENS = 1024  # response positions per head and step (a random subset beyond that)
+MTP_TOKENS = 1024  # chain starts per step (a random subset of the response positions beyond)
 
 
 def train_mtp(
@@ -25,9 +26,8 @@ def train_mtp(
     batch: TrainBatch,
     generator: torch.Generator,
 ) -> dict[str, float]:
-    """One optimizer step of the heads on ``batch``; returns ``mtp/loss`` (mean over heads),
-    ``mtp/accuracy`` (head 1's top-1 accuracy on the positions it trained on) and
-    ``timing_s/mtp``."""
+    """One optimizer step of the heads on ``batch``; returns ``mtp/loss`` (mean over heads
+    and positions), ``mtp/accuracy`` (head 1's top-1 accuracy) and ``timing_s/mtp``."""
     started = time.perf_counter()
     with torch.no_grad():
         hidden = (
@@ -40,31 +40,36 @@ def train_mtp(
             )
             .last_hidden_state
         )  # [B, T, H], after the final norm
-    head = output_head(policy)
-    weight = head.weight.detach()
-    bias = head.bias.detach() if head.bias is not None else None
-    width = hidden.shape[1]
-    real = batch.attention_mask.bool()
-    in_response = torch.arange(width, device=hidden.device) >= batch.prompt_width
-    losses, accuracy = [], 0.0
-    for j, block in enumerate(heads.blocks, start=1):
-        # position i predicts token i + 1 + j
-        source = hidden[:, : width - 1 - j]
-        target = batch.input_ids[:, 1 + j :]
-        valid = real[:, : width - 1 - j] & real[:, 1 + j :] & in_response[1 + j :]
-        if not bool(valid.any()):
-            continue
-        features, labels = source[valid].float(), target[valid]
-        if len(labels) > MTP_TOKENS:
-            pick = torch.randperm(len(labels), generator=generator)[:MTP_TOKENS]
-            features, labels = features[pick.to(labels.device)], labels[pick.to(labels.device)]
-        logits = F.linear(block(features), weight.float(), bias)
-        losses.append(F.cross_entropy(logits, labels))
-        if j == 1:
-            accuracy = float((logits.argmax(-1) == labels).float().mean())
-    if not losses:
+    width, depth = hidden.shape[1], len(heads.blocks)
+    ids, real = batch.input_ids, batch.attention_mask.bool()
+    # Chain starts: position i whose next two tokens are real response tokens (head 1's
+    # input token i + 1 and its target i + 2).
+    ahead = F.pad(real, (0, depth + 1))  # [B, T + k + 1]: past the end is not real
+    tokens = F.pad(ids, (0, depth + 1))
+    in_response = torch.arange(width, device=ids.device) + 1 >= batch.prompt_width
+    starts = real & ahead[:, 1 : width + 1] & ahead[:, 2 : width + 2] & in_response
+    rows, cols = starts.nonzero(as_tuple=True)
+    if len(rows) == 0:
         return {}
-    loss = torch.stack(losses).mean()
+    if len(rows) > MTP_TOKENS:
+        pick = torch.randperm(len(rows), generator=generator)[:MTP_TOKENS].to(rows.device)
+        rows, cols = rows[pick], cols[pick]
+    features = hidden[rows, cols].float()
+    losses, weights, accuracy = [], [], 0.0
+    for j in range(depth):
+        # head j (0-based) reads token cols + 1 + j and predicts token cols + 2 + j
+        valid = ahead[rows, cols + 2 + j]
+        if not bool(valid.any()):
+            break
+        features = heads.step(j, features, tokens[rows, cols + 1 + j], policy)
+        logits = head_logits(policy, features).float()
+        targets = tokens[rows, cols + 2 + j]
+        per_token = F.cross_entropy(logits, targets, reduction="none")
+        losses.append((per_token * valid).sum())
+        weights.append(valid.sum())
+        if j == 0:
+            accuracy = float((logits.argmax(-1) == targets).float()[valid].mean())
+    loss = torch.stack(losses).sum() / torch.stack(weights).sum()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
