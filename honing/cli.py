@@ -126,6 +126,14 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="fault injection: die without answering the N-th completion request",
     )
+    rollout.add_argument(
+        "--speculative",
+        default="off",
+        choices=("off", "ngram", "draft"),
+        help="speculative decoding in the served engine (counters at GET /metrics)",
+    )
+    rollout.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per round")
+    rollout.add_argument("--spec-draft", default="", help="--speculative draft: the draft model")
     model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
     model.add_argument("--model", required=True, help="local Hugging Face model directory")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -182,7 +190,14 @@ def _rollout_app(ns: argparse.Namespace):
     device = resolve_device(ns.device)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, tokenizer, dtype=ns.dtype, device=device)
-    engine = TransformersEngine(model.eval(), tokenizer, device=device)
+    speculation = None
+    if ns.speculative != "off":
+        from honing.pipeline.components import speculation as build_speculation
+
+        settings = {"rollout.speculative": ns.speculative, "rollout.spec_tokens": ns.spec_tokens}
+        settings |= {"rollout.spec_draft": ns.spec_draft, "model.dtype": ns.dtype}
+        speculation = build_speculation(build_config(settings), tokenizer, device, model)
+    engine = TransformersEngine(model.eval(), tokenizer, device=device, speculation=speculation)
     return rollout_app(
         engine,
         model_name=ns.name or ns.model,

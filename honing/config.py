@@ -105,8 +105,10 @@ class RolloutConfig:
     fast_decode: bool = _opt(True)  # lean exact forward for Llama-family models while sampling
     # Speculative decoding in honing's engine (exact: the policy's distribution is kept):
     # off; ngram (prompt lookup); draft (a small model at spec_draft with the same tokenizer);
-    # mtp (multi-token-prediction heads on the policy's hidden states, trained online)
-    speculative: str = _opt("off", choices=("off", "ngram", "draft", "mtp"))
+    # mtp (multi-token-prediction heads on the policy's hidden states, trained online);
+    # server (rollout.engine=openai: the servers speculate by their own launch options and
+    # honing reads the acceptance they report)
+    speculative: str = _opt("off", choices=("off", "ngram", "draft", "mtp", "server"))
     spec_tokens: int = _opt(4, ge=1, le=16)  # draft tokens proposed per verify round (k)
     spec_draft: str = _opt("")  # draft: a local Hugging Face model directory
     spec_min_accept: float = _opt(0.3, ge=0.0, le=1.0)  # below it speculation turns itself off

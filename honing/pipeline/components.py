@@ -389,12 +389,19 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     from honing.rollout.speculative import Speculation
 
     rollout, m = config.rollout, config.model
+    if rollout.speculative == "server":
+        if rollout.engine != "openai":
+            raise ConfigError(
+                "rollout.speculative=server reads the acceptance remote servers report; it "
+                "needs rollout.engine=openai (for honing's own engine: ngram, draft or mtp)"
+            )
+        return None
     if rollout.speculative == "off":
         return None
     if rollout.engine != "transformers":
         raise ConfigError(
             "rollout.speculative applies to honing's own engine; for vLLM or SGLang servers "
-            "set speculation in the server's own options"
+            "start them with their speculative options and set rollout.speculative=server"
         )
     if not rollout.fast_decode:
         raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
@@ -449,4 +456,5 @@ def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
         weight_sync=rollout.weight_sync,
         weight_dir=rollout.weight_dir,
         model_dir=str(model_dir),
+        spec_metrics=rollout.speculative == "server",
     )

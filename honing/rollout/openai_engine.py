@@ -22,6 +22,7 @@ Weights: ``load_weights(version, state_dict)`` sends the tensors as one safetens
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import threading
@@ -84,6 +85,7 @@ class OpenAIEngine:
         weight_sync: str = "tensors",
         weight_dir: str = "",
         model_dir: str = "",
+        spec_metrics: bool = False,
     ):
         if not endpoints:
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
@@ -103,6 +105,8 @@ class OpenAIEngine:
         # The newest weights sent: (version, "tensors", body) or (version, "disk", path).
         self._latest: tuple[int, str, object] | None = None
         self.model = model or self._served_model()
+        self.spec_metrics = spec_metrics  # read the servers' speculative-decoding counters
+        self._spec_seen: dict[str, dict[str, float]] = {}  # endpoint -> counters last read
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -196,6 +200,35 @@ class OpenAIEngine:
             text=text,
             gen_seconds=seconds,
         )
+
+    def take_report(self) -> tuple[dict[str, float], list]:
+        """With ``spec_metrics``: the acceptance the servers report for the calls since the
+        last take, from vLLM's spec-decode counters at ``GET /metrics`` (``honing serve
+        rollout`` exposes the same): ``rollout/spec_accept_rate`` (accepted / draft tokens)
+        and ``rollout/spec_accepted_len`` (accepted tokens per draft)."""
+        if not self.spec_metrics:
+            return {}, []
+        totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+        for endpoint in self.endpoints:
+            if endpoint.down_until > time.monotonic():
+                continue
+            try:
+                response = self.client.get(endpoint.url + "/metrics")
+            except httpx.HTTPError:
+                continue
+            if response.status_code != 200:
+                continue
+            now = _counters(response.text)
+            before = self._spec_seen.get(endpoint.url, dict.fromkeys(SPEC_COUNTERS, 0.0))
+            self._spec_seen[endpoint.url] = now
+            for key in SPEC_COUNTERS:  # a restarted server starts its counters from 0
+                totals[key] += now[key] - before[key] if now[key] >= before[key] else now[key]
+        if not totals["draft_tokens"]:
+            return {}, []
+        return {
+            "rollout/spec_accept_rate": totals["accepted_tokens"] / totals["draft_tokens"],
+            "rollout/spec_accepted_len": totals["accepted_tokens"] / max(totals["drafts"], 1.0),
+        }, []
 
     # -- weights --------------------------------------------------------------------------
 
@@ -355,6 +388,24 @@ class OpenAIEngine:
 
 class _Retryable(Exception):
     """A failure another endpoint (or a later try) may not have."""
+
+
+SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def _counters(text: str) -> dict[str, float]:
+    """vLLM's spec-decode counters in a Prometheus text page, summed over their labels."""
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    names = {f"vllm:spec_decode_num_{key}_total": key for key in SPEC_COUNTERS}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        value = line.rsplit(" ", 1)[-1]
+        if name in names:
+            with contextlib.suppress(ValueError):  # a malformed line counts nothing
+                totals[names[name]] += float(value)
+    return totals
 
 
 def _base_url(url: str) -> str:

@@ -321,6 +321,10 @@ class Speculation:
             "rollout/spec_accept_rate": rate,
             "rollout/spec_accepted_len": stats.accepted_len,
             "rollout/spec_enabled": 1.0,
+            # the raw counts, as vLLM's spec-decode counters name them (drafts = sequence-rounds)
+            "rollout/spec_drafts": float(stats.row_rounds),
+            "rollout/spec_draft_tokens": float(stats.proposed),
+            "rollout/spec_accepted_tokens": float(stats.accepted),
         }
         good = rate >= self.min_accept and not stats.aborted
         fields = {"accept_rate": round(rate, 4), "min_accept": self.min_accept}

@@ -14,6 +14,9 @@ Endpoints:
   safetensors weights of a checkpoint or model directory (SGLang's endpoint name and body).
 - ``POST /update_weights?version=V``: a safetensors file as the body (weights sent over HTTP).
 - ``GET /health``, ``GET /v1/models``.
+- ``GET /metrics``: speculative decoding's counters (when started with ``--speculative``), under
+  vLLM's names: ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+  ``..._num_accepted_tokens_total``.
 
 One generation runs at a time (the engine batches each request's prompts); requests wait
 their turn on a thread, so health checks answer while a batch generates.
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from honing.rollout.base import GenerationRequest, SamplingParams
 
@@ -105,6 +108,8 @@ def rollout_app(
     turn = threading.Lock()  # one generation or weight load at a time
     expected_auth = f"Bearer {token}".encode()
     counters = {"requests": 0, "completions": 0, "errors": 0}
+    # Speculative decoding, under vLLM's counter names so that one client reads both.
+    speculation = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
 
     def refuse(code: int, message: str) -> JSONResponse:
         counters["errors"] += 1
@@ -121,6 +126,10 @@ def rollout_app(
         with turn:
             rollouts = engine.generate(requests, params)
             version = engine.weight_version
+            take_report = getattr(engine, "take_report", None)
+            metrics = take_report()[0] if take_report is not None else {}
+            for key in speculation:
+                speculation[key] += metrics.get(f"rollout/spec_{key}", 0.0)
         order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].group_index)
         choices = []
         for index, position in enumerate(order):
@@ -181,6 +190,14 @@ def rollout_app(
 
     async def run(function, *args):
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = []
+        for key, value in speculation.items():
+            name = f"vllm:spec_decode_num_{key}_total"
+            lines += [f"# TYPE {name} counter", f'{name}{{model_name="{model_name}"}} {value}']
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:

@@ -7,7 +7,12 @@ import torch
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.openai_engine import EngineRequestError, EngineUnavailable, OpenAIEngine
+from honing.rollout.openai_engine import (
+    EngineRequestError,
+    EngineUnavailable,
+    OpenAIEngine,
+    _counters,
+)
 from honing.services.process import start_service
 
 CPU = torch.device("cpu")
@@ -215,3 +220,38 @@ def test_killing_one_of_two_engines_mid_run_loses_no_sample(
         assert m["samples/generated"] == sum(m[k] for k in parts) == 12
     lost = sum(m["samples/regenerated"] for m in metrics)
     assert lost >= 3 and lost % 3 == 0  # the groups it never answered (one, or two in flight)
+
+
+def test_the_acceptance_a_speculating_server_reports_is_recorded(micro_model_dir, tokenizer):
+    """rollout.speculative=server: the engine reads vLLM's spec-decode counters at /metrics
+    (honing's server exposes the same when it speculates) and reports the acceptance of the
+    calls since the last report."""
+    process, url = start_service(
+        "rollout", "--model", str(micro_model_dir), "--speculative", "ngram", "--spec-tokens", "3"
+    )
+    try:
+        engine = OpenAIEngine([url], tokenizer, spec_metrics=True)
+        assert engine.take_report() == ({}, [])  # nothing generated yet
+        engine.generate(requests_for(tokenizer), SamplingParams(n=4, max_new_tokens=8, seed=1))
+        metrics, _ = engine.take_report()
+        counters = _counters(httpx.get(f"{url}/metrics").text)
+        assert counters["draft_tokens"] > 0 and counters["drafts"] > 0
+        want = counters["accepted_tokens"] / counters["draft_tokens"]
+        assert metrics["rollout/spec_accept_rate"] == pytest.approx(want)
+        assert engine.take_report() == ({}, [])  # the next report covers only later calls
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_vllm_counters_are_summed_over_their_labels():
+    page = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 12.0
+vllm:num_requests_running{model_name="m"} 1.0
+"""
+    assert _counters(page) == {"drafts": 15.0, "draft_tokens": 45.0, "accepted_tokens": 30.0}
