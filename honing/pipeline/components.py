@@ -271,6 +271,15 @@ def check_ground_truths(prompts: list[Prompt], scorer: Scorer) -> None:
             )
 
 
+def frozen_model(path: Path, tokenizer, config: Config, device: torch.device):
+    """A causal LM that is only read (the reference, a draft): eval mode, no gradients."""
+    m = config.model
+    model = load_causal_lm(
+        path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
+    ).eval()
+    return model.requires_grad_(False)
+
+
 def build_components(config: Config, log=print) -> Components:
     check_names(config)
     scorer = build_scorer(config)
@@ -289,14 +298,7 @@ def build_components(config: Config, log=print) -> Components:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
-        reference = load_causal_lm(
-            model_path,
-            tokenizer,
-            dtype=m.dtype,
-            device=device,
-            trust_remote_code=m.trust_remote_code,
-        ).eval()
-        reference.requires_grad_(False)
+        reference = frozen_model(model_path, tokenizer, config, device)
     critic = critic_optimizer = None
     if config.algorithm.advantage == "gae":
         critic_dir = check_model_dir(m.critic_path) if m.critic_path else model_path
@@ -388,7 +390,7 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     from honing.rollout.fast_decode import supports
     from honing.rollout.speculative import Speculation
 
-    rollout, m = config.rollout, config.model
+    rollout = config.rollout
     if rollout.speculative == "server":
         if rollout.engine != "openai":
             raise ConfigError(
@@ -413,14 +415,7 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     if rollout.speculative == "draft":
         if not rollout.spec_draft:
             raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")
-        draft = load_causal_lm(
-            check_model_dir(rollout.spec_draft),
-            tokenizer,
-            dtype=m.dtype,
-            device=device,
-            trust_remote_code=m.trust_remote_code,
-        ).eval()
-        draft.requires_grad_(False)
+        draft = frozen_model(check_model_dir(rollout.spec_draft), tokenizer, config, device)
         reason = supports(draft)
         if reason is not True:
             raise ConfigError(f"rollout.spec_draft: the draft must be Llama-family ({reason})")
