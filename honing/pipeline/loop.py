@@ -200,8 +200,9 @@ class TrainLoop:
         t0 = time.perf_counter()
         if self.producer is None:
             offloaded = self.offload.before_generation()
+            self.offload.mark()
             got, schedule = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step)), {}
-            schedule |= offloaded
+            schedule |= offloaded | self.offload.peak("gen")
         else:
             got, schedule = self.producer.take(step)
         metrics = self._rollout_metrics(got) | schedule
@@ -271,6 +272,7 @@ class TrainLoop:
     def _update(self, step: int, got: Collected) -> dict:
         parts, settings = self.parts, self.parts.update
         reloaded = self.offload.before_update()
+        self.offload.mark()
         t0 = time.perf_counter()
         rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
         exp = make_experience(self.config, parts, rollouts, rewards, got.baselines)
@@ -304,7 +306,7 @@ class TrainLoop:
         if parts.mtp is not None:  # the draft heads learn the updated policy's hidden states
             metrics |= train_mtp(parts.mtp, parts.mtp_optimizer, parts.policy, batch, generator)
         metrics["timing_s/prepare"] = t_update - t0
-        return metrics | reloaded
+        return metrics | reloaded | self.offload.peak("update")
 
     def _update_critic(self, exp, generator: torch.Generator) -> dict:
         settings = self.parts.update

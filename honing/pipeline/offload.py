@@ -10,9 +10,11 @@ blocks back before the update's activations are allocated. The policy's weights 
 in-process engine samples with them.
 
 The time each way is a metric (``timing_s/offload``, ``timing_s/reload``), with the bytes
-moved (``memory/offloaded_gb``). Where it cannot act it says so once (event
-``offload_inactive``): on a machine without CUDA (the state is in host memory already), and
-under ``one_step`` / ``async``, where generation and the update overlap.
+moved (``memory/offloaded_gb``). On CUDA the peak memory of each phase is a metric too
+(``memory/peak_gen_gb``, ``memory/peak_update_gb``), with or without offload. Where it
+cannot act it says so once (event ``offload_inactive``): on a machine without CUDA (the state
+is in host memory already), and under ``one_step`` / ``async``, where generation and the
+update overlap.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ class Offloader:
         if reason:
             log_event("offload_inactive", reason=reason)
             self.active = False
+
+    def mark(self) -> None:
+        """Starts a phase whose peak device memory ``peak`` reports (CUDA only)."""
+        if self.parts.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.parts.device)
+
+    def peak(self, phase: str) -> dict[str, float]:
+        """``memory/peak_<phase>_gb``: the most device memory allocated since ``mark``."""
+        if self.parts.device.type != "cuda":
+            return {}
+        return {f"memory/peak_{phase}_gb": torch.cuda.max_memory_allocated(self.parts.device) / 1e9}
 
     def before_generation(self) -> dict[str, float]:
         if not self.active or self.moved or self.probe(self.parts.device) < self.threshold:
