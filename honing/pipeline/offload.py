@@ -3,8 +3,9 @@
 Under the sync schedule generation and the update take turns on one device. When device
 memory in use passes ``memory.offload_trigger_threshold`` (a fraction of the device's total,
 ``torch.cuda.mem_get_info``) as generation is about to start, the trainer's idle state goes to
-host memory: the optimizer's state, any gradients still held, the reference model, the
-critic and its optimizer. It comes back before the update. After generation the engine's KV
+host memory: the optimizer's state, the reference model, the critic and its optimizer; the
+gradients the last update left are dropped (the next update zeroes them before use). It
+comes back before the update. After generation the engine's KV
 cache is gone (it lives for one generate call) and ``torch.cuda.empty_cache`` hands its
 blocks back before the update's activations are allocated. The policy's weights stay: the
 in-process engine samples with them.
@@ -110,10 +111,10 @@ class Offloader:
                             state[key] = state[key].pin_memory()
                         moved += value.numel() * value.element_size()
         for model in [m for m in (parts.policy, parts.critic) if m is not None]:
-            for param in model.parameters():
-                if param.grad is not None:
+            for param in model.parameters():  # the update zeroes them before use: drop them
+                if param.grad is not None and device.type == "cpu":
                     moved += param.grad.numel() * param.grad.element_size()
-                    param.grad = param.grad.to(device)
+                    param.grad = None
         for model in [m for m in (parts.reference, parts.critic) if m is not None]:
             moved += sum(p.numel() * p.element_size() for p in model.parameters())
             model.to(device)

@@ -53,6 +53,7 @@ from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.types import Rollout
 
 NAMESPACE = "honing"  # the Ray namespace of every actor a run starts
+MAX_REPLACEMENTS = 8  # workers of a pool that may die in a row before the run stops
 DEAD = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
 
 
@@ -100,6 +101,11 @@ def check_supported(config: Config) -> None:
         raise ConfigError(
             "pipeline.backend=ray runs honing's own engine in its rollout workers; "
             f"rollout.engine={config.rollout.engine} is for remote servers (use backend=local)"
+        )
+    if config.rollout.speculative == "mtp":
+        raise ConfigError(
+            "rollout.speculative=mtp trains its heads in the trainer, and the Ray rollout "
+            "workers do not receive them yet; use ngram or draft with pipeline.backend=ray"
         )
 
 
@@ -180,6 +186,11 @@ def wait_ready(actor, what: str, cpus: float, gpus: float, timeout_s: float) -> 
         ) from None
     except RayTaskError as err:
         raise _cause(err) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]
 
 
 def _cause(err: RayTaskError) -> BaseException:
@@ -269,16 +280,20 @@ class Report:
     def __init__(self):
         self.lock = threading.Lock()
         self.events: list[tuple[str, dict]] = []
-        self.gauges: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}  # worker counts: reported every step
+        self.once: dict[str, float] = {}  # the workers' engine reports: until drained
 
     def event(self, kind: str, **fields) -> None:
         with self.lock:
             self.events.append((kind, fields))
 
     def drain(self) -> tuple[dict[str, float], list[tuple[str, dict]]]:
+        """Gauges as they are now, plus the per-call metrics and events since the last
+        drain."""
         with self.lock:
             events, self.events = self.events, []
-            return dict(self.gauges), events
+            once, self.once = self.once, {}
+            return dict(self.gauges) | once, events
 
 
 @dataclass
@@ -300,6 +315,7 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.lock = threading.RLock()
         self._count = 0
+        self._replaced_in_a_row = 0  # replacements since a task last succeeded
 
     def _new_actor(self, name: str):
         raise NotImplementedError
@@ -334,15 +350,28 @@ class _Pool:
         return worker
 
     def replace_dead(self, worker: _Worker, error: BaseException) -> None:
+        """Replaces a worker that died. One that failed while loading raises its error (a
+        replacement would fail the same way), as do ``MAX_REPLACEMENTS`` deaths in a row."""
+        if getattr(error, "actor_init_failed", False):
+            raise WorkersUnavailable(
+                f"a {self.kind} worker failed while starting: {_first_line(error)}"
+            ) from None
         with self.lock:
             if worker in self.workers:
                 self.workers.remove(worker)
+                ray.kill(worker.handle)  # a merely unreachable one would keep its resources
+                self._replaced_in_a_row += 1
+                if self._replaced_in_a_row > MAX_REPLACEMENTS:
+                    raise WorkersUnavailable(
+                        f"{self._replaced_in_a_row} {self.kind} workers died in a row without "
+                        f"finishing a task; the last: {_first_line(error)}"
+                    )
                 new = self._start()
                 self.report.event(
                     f"{self.kind}_worker_replaced",
                     dead=worker.name,
                     new=new.name,
-                    error=str(error).splitlines()[0][:200],
+                    error=_first_line(error),
                 )
 
     def claim(self, count: int) -> list[_Worker]:
@@ -396,30 +425,41 @@ class _Pool:
         pending = deque(enumerate(tasks))
         results: dict[int, object] = {}
         running: dict = {}  # ObjectRef -> (worker, (index, task))
-        while pending or running:
-            self.reconcile()
-            if pending:
-                for worker in self.claim(len(pending)):
-                    item = pending.popleft()
-                    running[submit(worker, item[1])] = (worker, item)
-            if not running:  # every worker is busy with another thread's tasks
-                time.sleep(0.01)
-                continue
-            done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
-            for ref in done:
-                worker, item = running.pop(ref)
-                with self.lock:
-                    worker.busy = False
-                try:
-                    results[item[0]] = ray.get(ref)
-                except DEAD as err:
-                    self.replace_dead(worker, err)
-                    pending.appendleft(item)
-                    if on_lost is not None:
-                        on_lost(item[1])
-                except RayTaskError as err:
-                    raise _cause(err) from None
+        try:
+            while pending or running:
+                self.reconcile()
+                if pending:
+                    for worker in self.claim(len(pending)):
+                        item = pending.popleft()
+                        running[submit(worker, item[1])] = (worker, item)
+                if not running:  # every worker is busy with another thread's tasks
+                    time.sleep(0.01)
+                    continue
+                done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                for ref in done:
+                    worker, item = running.pop(ref)
+                    try:  # the outcome first: a dead worker must not be claimed meanwhile
+                        results[item[0]] = ray.get(ref)
+                    except DEAD as err:
+                        self.replace_dead(worker, err)
+                        pending.appendleft(item)
+                        if on_lost is not None:
+                            on_lost(item[1])
+                        continue
+                    except RayTaskError as err:
+                        self._release(worker)
+                        raise _cause(err) from None
+                    with self.lock:
+                        self._replaced_in_a_row = 0
+                    self._release(worker)
+        finally:  # on an error, the workers still running a task of this call are freed
+            for worker, _ in running.values():
+                self._release(worker)
         return results
+
+    def _release(self, worker: _Worker) -> None:
+        with self.lock:
+            worker.busy = False
 
 
 @ray.remote
@@ -448,12 +488,16 @@ class RolloutWorker:
             .eval()
             .requires_grad_(False)
         )
+        from honing.pipeline.components import speculation
+
         self.engine = TransformersEngine(
             model,
             tokenizer,
             device=device,
             generation_batch=config.rollout.generation_batch,
             fast_decode=config.rollout.fast_decode,
+            speculation=speculation(config, tokenizer, device, model),
+            gen_timeout_s=config.rollout.gen_timeout_s,
         )
         self.engine.shares_policy = False
 
@@ -464,10 +508,15 @@ class RolloutWorker:
         """The id of the node it runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def generate(self, version: int, weights, requests, params) -> list[Rollout]:
+    def generate(self, version: int, weights, requests, params):
+        """The rollouts, and the engine's report (speculation, timeouts) of this call."""
         if weights is not None:
             self.engine.load_weights(version, weights)
-        return self.engine.generate(requests, params)
+        rollouts = self.engine.generate(requests, params)
+        return rollouts, self.engine.take_report()
+
+
+SPEC_COUNTS = ("rollout/spec_drafts", "rollout/spec_draft_tokens", "rollout/spec_accepted_tokens")
 
 
 class RayRolloutEngine(_Pool):
@@ -526,7 +575,28 @@ class RayRolloutEngine(_Pool):
                 self.regenerated += len(task[0]) * params.n
 
         results = self.run_tasks(tasks, submit, lost)
-        return [rollout for index in sorted(results) for rollout in results[index]]
+        self._merge_reports([results[index][1] for index in sorted(results)])
+        return [rollout for index in sorted(results) for rollout in results[index][0]]
+
+    def _merge_reports(self, reports) -> None:
+        """The workers' engine reports as one: counts summed, acceptance recomputed."""
+        sums: dict[str, float] = {}
+        for metrics, events in reports:
+            for key in ("rollout/gen_timeouts", *SPEC_COUNTS):
+                if key in metrics:
+                    sums[key] = sums.get(key, 0.0) + metrics[key]
+            if "rollout/spec_enabled" in metrics:
+                sums["rollout/spec_enabled"] = max(
+                    sums.get("rollout/spec_enabled", 0.0), metrics["rollout/spec_enabled"]
+                )
+            for kind, fields in events:
+                self.report.event(kind, **fields)
+        if sums.get("rollout/spec_draft_tokens"):
+            accepted = sums["rollout/spec_accepted_tokens"]
+            sums["rollout/spec_accept_rate"] = accepted / sums["rollout/spec_draft_tokens"]
+            sums["rollout/spec_accepted_len"] = accepted / max(sums["rollout/spec_drafts"], 1.0)
+        with self.report.lock:
+            self.report.once.update(sums)
 
 
 @ray.remote

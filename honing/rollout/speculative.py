@@ -48,7 +48,7 @@ class SpecStats:
     accepted: int = 0
     row_rounds: int = 0
     aborted: bool = False
-    cut: torch.Tensor | None = None  # rows stopped by the generation timeout
+    cut: torch.Tensor | None = None  # per row: tokens made when the timeout cut it (0: not)
 
     @property
     def accept_rate(self) -> float:
@@ -97,14 +97,26 @@ class NgramDraft:
             row += tokens[:n]
 
 
+def _fit(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft's logits over the policy's vocabulary: entries the policy does not have are
+    dropped, entries the draft does not have get -inf (the draft never proposes them).
+    Drafts of one family often differ only in padding rows (Qwen2.5: 151,936 vs 152,064)."""
+    size = logits.shape[-1]
+    if size > vocab:
+        return logits[..., :vocab]
+    if size < vocab:
+        return torch.nn.functional.pad(logits, (0, vocab - size), value=float("-inf"))
+    return logits
+
+
 class ModelDraft:
     """A small causal LM proposing k tokens by sampling from its own (filtered, tempered)
     distribution; its KV cache follows the policy's with holes for rejected proposals."""
 
     point_mass = False
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, vocab: int):
+        self.model, self.vocab = model, vocab  # vocab: the policy's output size
 
     def start(self, decoder_inputs, prompt_rows, first) -> None:
         ids, mask, positions, capacity = decoder_inputs
@@ -123,7 +135,7 @@ class ModelDraft:
         logits = self.decoder.extend(block, positions, keep)[:, -1]
         tokens, dists = [], []
         for j in range(k):
-            probs, _ = dist(logits.float())
+            probs, _ = dist(_fit(logits.float(), self.vocab))
             token = sample_categorical(probs, generator)
             tokens.append(token)
             dists.append(probs / probs.sum(-1, keepdim=True))
@@ -191,7 +203,7 @@ def speculative_decode(
     offsets = torch.arange(k + 1, device=device)
     while not bool(done.all()):
         if time.perf_counter() > deadline:
-            stats.cut = ~done
+            stats.cut = torch.where(done, torch.zeros_like(count), count)  # 0: not cut
             break
         if stats.aborted:  # plain decoding: one token per row and step
             probs, logp = dist(target.step(t, pos_t[:, None]).float())
@@ -305,7 +317,10 @@ class Speculation:
             from honing.rollout.mtp import MtpDraft
 
             return MtpDraft(self.draft_model, policy)
-        return ModelDraft(self.draft_model)
+        from honing.rollout.fast_decode import unwrap
+
+        vocab = unwrap(policy).get_output_embeddings().weight.shape[0]
+        return ModelDraft(self.draft_model, vocab)
 
     def should_speculate(self) -> bool:
         if self.enabled:
@@ -316,6 +331,8 @@ class Speculation:
     def record(self, stats: SpecStats | None) -> tuple[dict[str, float], list[tuple[str, dict]]]:
         if stats is None:
             return {"rollout/spec_enabled": 0.0}, []
+        if not stats.proposed:  # nothing was drafted (every row ended at once): no verdict
+            return {"rollout/spec_enabled": 1.0}, []
         rate = stats.accept_rate
         metrics = {
             "rollout/spec_accept_rate": rate,

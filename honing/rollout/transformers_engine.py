@@ -305,7 +305,7 @@ class TransformersEngine:
             if bool(done.all()):
                 break
             if time.perf_counter() > deadline:  # rollout.gen_timeout_s: cut what still runs
-                cut = (~done).tolist()
+                cut = [0 if finished else t + 1 for finished in done.tolist()]
                 break
             positions = positions[:, -1:] + 1
             logits = decoder.step(token, positions)
@@ -337,10 +337,10 @@ class TransformersEngine:
     def _to_rollouts(
         self, chunk, token_rows, logprob_rows, budgets, seconds, cut=None
     ) -> list[Rollout]:
-        """Rollouts of the sampled rows; ``cut`` marks rows stopped by the generation timeout
-        (finish reason ``abort``)."""
+        """Rollouts of the sampled rows; ``cut`` gives, for a row the generation timeout
+        stopped, the tokens it had made (finish reason ``abort``), 0 for the others."""
         rollouts = []
-        cut = cut or [False] * len(chunk)
+        cut = cut or [0] * len(chunk)
         for request, row, logps, budget, was_cut in zip(
             chunk, token_rows, logprob_rows, budgets, cut, strict=True
         ):
@@ -349,8 +349,7 @@ class TransformersEngine:
             if end is not None:
                 reason = "stop"
             elif was_cut:
-                row = [tok for tok in row if tok != self.tokenizer.pad_token_id]
-                end, reason = len(row), "abort"
+                end, reason = min(was_cut, len(row)), "abort"
             else:
                 end, reason = len(row), "length"
             response = row[:end]

@@ -55,6 +55,7 @@ def test_state_moves_out_above_the_threshold_and_back_before_the_update(
     usage["now"] = 0.9
     out = offload.before_generation()
     assert out["timing_s/offload"] >= 0 and out["memory/offloaded_gb"] > 0
+    assert all(p.grad is None for p in parts.policy.parameters())  # dropped, not moved
     assert offload.before_generation() == {}  # already out
     back = offload.before_update()
     assert back["timing_s/reload"] >= 0 and not offload.moved

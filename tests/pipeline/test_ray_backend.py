@@ -132,6 +132,39 @@ def test_workers_follow_the_control_target(cluster, micro_model_dir, digit_rewar
         engine.close()
 
 
+def test_a_worker_that_cannot_load_stops_the_call_with_its_error(
+    cluster, tmp_path, micro_model_dir, digit_reward
+):
+    config = small_run_config(micro_model_dir, digit_reward)
+    control = ray_backend.Control.remote(2, 0)
+    engine = ray_backend.RayRolloutEngine(
+        config, tmp_path / "missing-model", control, "broken", ray_backend.Report()
+    )
+    try:
+        params = SamplingParams(n=2, max_new_tokens=3, seed=1)
+        with pytest.raises(ray_backend.WorkersUnavailable, match="failed while starting"):
+            engine.generate(_requests(micro_model_dir, 2), params)
+    finally:
+        engine.close()
+
+
+def test_workers_speculate_and_report_it(cluster, micro_model_dir, digit_reward):
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{"rollout.speculative": "ngram", "rollout.spec_min_accept": 0.0},
+    )
+    engine, *_ = _pool(config, micro_model_dir, 2, "speculating")
+    try:
+        engine.generate(_requests(micro_model_dir), SamplingParams(n=3, max_new_tokens=6))
+        metrics, _ = engine.take_report()
+        assert metrics["rollout/spec_draft_tokens"] > 0
+        assert 0 <= metrics["rollout/spec_accept_rate"] <= 1
+        assert "rollout/spec_draft_tokens" not in engine.take_report()[0]  # once per call
+    finally:
+        engine.close()
+
+
 def _metrics(run_dir):
     path = run_dir / "metrics.jsonl"
     if not path.exists():

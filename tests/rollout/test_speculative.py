@@ -12,7 +12,7 @@ from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.mtp import MtpHeads
-from honing.rollout.speculative import Speculation
+from honing.rollout.speculative import SpecStats, Speculation
 from honing.rollout.transformers_engine import TransformersEngine
 
 ROWS = 6000
@@ -128,6 +128,30 @@ def test_greedy_output_and_logprobs_are_the_policys(policy, other_draft, tokeniz
         for a, b in zip(plain, drafted, strict=True):
             assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
             assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=1e-5)
+
+
+def test_a_draft_with_another_vocabulary_size_still_drafts_exactly(policy, tokenizer):
+    """Drafts of one family often differ only in padding rows of the vocabulary."""
+    import copy
+
+    params = SamplingParams(n=1, max_new_tokens=10, greedy=True)
+    requests = [GenerationRequest(f"p{i}", tokenizer.encode(f"{i} + 3 ="), i) for i in range(3)]
+    plain = engine(policy, tokenizer).generate(requests, params)
+    size = policy.get_output_embeddings().weight.shape[0]
+    for extra in (8, -3):
+        draft = copy.deepcopy(policy)
+        draft.resize_token_embeddings(size + extra)
+        fast = engine(policy, tokenizer, Speculation("draft", 3, 0.0, 20, draft))
+        got = fast.generate(requests, params)
+        assert [r.response_ids for r in got] == [r.response_ids for r in plain]
+        metrics, _ = fast.take_report()
+        assert metrics["rollout/spec_accept_rate"] > 0.5
+
+
+def test_a_call_that_drafted_nothing_leaves_the_switch_alone():
+    spec = Speculation("ngram", 4, 0.5, 20)
+    assert spec.record(SpecStats()) == ({"rollout/spec_enabled": 1.0}, [])
+    assert spec.enabled
 
 
 def test_sampled_logprobs_are_the_policys_teacher_forced(policy, other_draft, tokenizer):
