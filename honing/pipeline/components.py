@@ -407,6 +407,11 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
         )
     if not rollout.fast_decode:
         raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
+    reason = supports(policy) if policy is not None else True
+    if reason is not True:
+        raise ConfigError(
+            f"rollout.speculative needs the fast decode path, which this policy lacks: {reason}"
+        )
     draft = None
     if rollout.speculative == "mtp":
         from honing.rollout.mtp import MtpHeads

@@ -204,3 +204,18 @@ def test_a_generation_timeout_cuts_runaway_samples_and_counts_them(policy, token
     assert all(tokenizer.pad_token_id not in r.response_ids for r in cut)
     metrics, _ = eng.take_report()
     assert metrics["rollout/gen_timeouts"] == len(cut)
+
+
+def test_speculation_on_a_policy_without_the_fast_path_is_a_config_error(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from honing.config import build_config
+    from honing.errors import ConfigError
+    from honing.models.tiny import build_tokenizer
+    from honing.pipeline.components import speculation
+
+    tokenizer = build_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2))
+    config = build_config({"rollout.speculative": "ngram"})
+    with pytest.raises(ConfigError, match="fast decode path"):
+        speculation(config, tokenizer, torch.device("cpu"), gpt2)
