@@ -50,6 +50,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from honing.config import Config, PipelineConfig
 from honing.errors import ConfigError, UserError
 from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.speculative import merge_metrics
 from honing.types import Rollout
 
 NAMESPACE = "honing"  # the Ray namespace of every actor a run starts
@@ -516,9 +517,6 @@ class RolloutWorker:
         return rollouts, self.engine.take_report()
 
 
-SPEC_COUNTS = ("rollout/spec_drafts", "rollout/spec_draft_tokens", "rollout/spec_accepted_tokens")
-
-
 class RayRolloutEngine(_Pool):
     """A ``RolloutEngine`` over rollout-worker actors (see the module)."""
 
@@ -579,24 +577,13 @@ class RayRolloutEngine(_Pool):
         return [rollout for index in sorted(results) for rollout in results[index][0]]
 
     def _merge_reports(self, reports) -> None:
-        """The workers' engine reports as one: counts summed, acceptance recomputed."""
-        sums: dict[str, float] = {}
-        for metrics, events in reports:
-            for key in ("rollout/gen_timeouts", *SPEC_COUNTS):
-                if key in metrics:
-                    sums[key] = sums.get(key, 0.0) + metrics[key]
-            if "rollout/spec_enabled" in metrics:
-                sums["rollout/spec_enabled"] = max(
-                    sums.get("rollout/spec_enabled", 0.0), metrics["rollout/spec_enabled"]
-                )
+        """The workers' engine reports as one (counts summed, acceptance recomputed)."""
+        for _, events in reports:
             for kind, fields in events:
                 self.report.event(kind, **fields)
-        if sums.get("rollout/spec_draft_tokens"):
-            accepted = sums["rollout/spec_accepted_tokens"]
-            sums["rollout/spec_accept_rate"] = accepted / sums["rollout/spec_draft_tokens"]
-            sums["rollout/spec_accepted_len"] = accepted / max(sums["rollout/spec_drafts"], 1.0)
+        merged = merge_metrics([metrics for metrics, _ in reports])
         with self.report.lock:
-            self.report.once.update(sums)
+            self.report.once = merge_metrics([self.report.once, merged])
 
 
 @ray.remote

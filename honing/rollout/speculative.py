@@ -355,3 +355,25 @@ class Speculation:
                 self.enabled = True
                 events.append(("speculation_on", fields))
         return metrics, events
+
+
+COUNTS = ("rollout/spec_drafts", "rollout/spec_draft_tokens", "rollout/spec_accepted_tokens")
+
+
+def merge_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Several generate calls' engine metrics as one: counts (speculation's, timeouts) summed,
+    the acceptance recomputed from them, ``rollout/spec_enabled`` 1 if any call speculated."""
+    merged: dict[str, float] = {}
+    for metrics in reports:
+        for key in ("rollout/gen_timeouts", *COUNTS):
+            if key in metrics:
+                merged[key] = merged.get(key, 0.0) + metrics[key]
+        if "rollout/spec_enabled" in metrics:
+            merged["rollout/spec_enabled"] = max(
+                merged.get("rollout/spec_enabled", 0.0), metrics["rollout/spec_enabled"]
+            )
+    if merged.get("rollout/spec_draft_tokens"):
+        accepted = merged["rollout/spec_accepted_tokens"]
+        merged["rollout/spec_accept_rate"] = accepted / merged["rollout/spec_draft_tokens"]
+        merged["rollout/spec_accepted_len"] = accepted / max(merged["rollout/spec_drafts"], 1.0)
+    return merged

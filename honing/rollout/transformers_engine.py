@@ -21,7 +21,7 @@ import torch
 
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.fast_decode import FastDecoder, supports
-from honing.rollout.speculative import SpecStats, Speculation, speculative_decode
+from honing.rollout.speculative import SpecStats, Speculation, merge_metrics, speculative_decode
 from honing.types import Rollout
 
 
@@ -230,7 +230,7 @@ class TransformersEngine:
 
     def _add_report(self, report) -> None:
         metrics, events = report
-        self._report = (self._report[0] | metrics, self._report[1] + events)
+        self._report = (merge_metrics([self._report[0], metrics]), self._report[1] + events)
 
     @torch.no_grad()
     def _speculate_chunk(self, chunk, params: SamplingParams, generator, stats: SpecStats):
