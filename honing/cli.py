@@ -8,6 +8,7 @@
     honing serve rollout --model PATH [--host H] [--port P] [--token T] [...]
     honing doctor [CONFIG.yaml] [section.key=value ...] [--output-dir DIR]
     honing report RUN_DIR
+    honing eval [CONFIG.yaml] [section.key=value ...] --model PATH [--output FILE]
     honing scale RUN_DIR [--rollout-workers N] [--reward-workers N] [--address auto|HOST:PORT]
 
 A ``UserError`` (bad config, data or input) prints one line and exits with status 2; nothing is
@@ -64,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--output-dir", type=Path, default=Path("runs"), help="where checkpoints would go"
     )
+    evaluate = commands.add_parser(
+        "eval", help="validation accuracy and pass@k of a model or checkpoint, as a run measures it"
+    )
+    evaluate.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    evaluate.add_argument(
+        "--model", required=True, help="a model directory, a run's checkpoint, or a LoRA one"
+    )
+    evaluate.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     report = commands.add_parser(
         "report", help="write RUN_DIR/report.html: charts of the run's signals and its event log"
     )
@@ -283,6 +292,23 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_eval(ns: argparse.Namespace) -> int:
+    import json
+
+    from honing.config import resolve_config
+    from honing.pipeline.evaluate import evaluate_model
+
+    config_path, overrides = _split_args(ns.args)
+    config = resolve_config(config_path, overrides)
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    metrics = evaluate_model(config, ns.model, log=log)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if key != "val/prompts" else f"{key}: {value:.0f}")
+    if ns.output is not None:
+        ns.output.write_text(json.dumps({"model": ns.model, **metrics}, indent=1))
+    return 0
+
+
 def run_scale(ns: argparse.Namespace) -> int:
     if ns.rollout_workers is None and ns.reward_workers is None:
         raise UserError("give --rollout-workers N and/or --reward-workers N")
@@ -327,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after the options too: `train cfg.yaml --output-dir d key=value`.
     ns, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and ns.command not in ("train", "doctor")):
+    if unknown or (extra and ns.command not in ("train", "doctor", "eval")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     try:
         if ns.command == "serve":
@@ -350,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         ns.args = ns.args + extra
         if ns.command == "doctor":
             return run_doctor(ns)
+        if ns.command == "eval":
+            return run_eval(ns)
         return run_train(ns)
     except UserError as err:
         print(f"honing: error: {err}", file=sys.stderr)

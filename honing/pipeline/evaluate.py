@@ -47,3 +47,76 @@ def validate(
         f"val/mean@{k}": sum(correct) / len(correct),
         "timing_s/val": time.perf_counter() - started,
     }
+
+
+def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
+    """``honing eval``: the validation metrics of the model at ``model_path`` on the config's
+    validation prompts, sampled exactly as a run validates (same seed and settings), so a
+    checkpoint scores what its run logged at that step.
+
+    ``model_path``: a Hugging Face model directory, a run's checkpoint (``step_N``, the policy
+    in Hugging Face format), or a LoRA run's checkpoint (the adapter, loaded onto the config's
+    ``model.path`` as base + adapter).
+    """
+    from pathlib import Path
+
+    from honing.errors import ConfigError
+    from honing.models.loading import check_model_dir, load_causal_lm, load_tokenizer
+    from honing.models.loading import resolve_device as device_of
+    from honing.pipeline.components import (
+        build_scorer,
+        check_ground_truths,
+        load_datasets,
+        resolve_model_path,
+        tokenize_prompts,
+    )
+    from honing.pipeline.loop import step_seed
+    from honing.rollout.transformers_engine import TransformersEngine
+
+    path, m = Path(model_path), config.model
+    device = device_of(m.device)
+    scorer = build_scorer(config)
+    try:
+        _, val, _ = load_datasets(config)
+        check_ground_truths(val, scorer)
+        if (path / "adapter_config.json").exists():  # a LoRA checkpoint: base + adapter
+            try:
+                from peft import PeftModel
+            except ImportError:
+                raise ConfigError(f"{path} is a LoRA adapter: pip install peft") from None
+            tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+            base = load_causal_lm(
+                resolve_model_path(config, log=log),
+                tokenizer,
+                dtype=m.dtype,
+                device=device,
+                trust_remote_code=m.trust_remote_code,
+            )
+            model = PeftModel.from_pretrained(base, path).eval()
+        else:
+            check_model_dir(path)
+            tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+            model = load_causal_lm(
+                path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
+            ).eval()
+        rollout = config.rollout
+        rendered, prompt_ids = tokenize_prompts(val, tokenizer, rollout.max_seq_len)
+        engine = TransformersEngine(
+            model,
+            tokenizer,
+            device=device,
+            generation_batch=rollout.generation_batch,
+            fast_decode=rollout.fast_decode,
+        )
+        sampling = SamplingParams(
+            max_new_tokens=rollout.max_new_tokens,
+            max_seq_len=rollout.max_seq_len,
+            temperature=rollout.temperature,
+            top_k=rollout.top_k,
+            top_p=rollout.top_p,
+            seed=step_seed(config.trainer.seed, -1),
+        )
+        metrics = validate(engine, scorer, val, prompt_ids, rendered, sampling, rollout.val_samples)
+    finally:
+        scorer.close()
+    return metrics | {"val/prompts": float(len(val))}

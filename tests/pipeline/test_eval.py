@@ -1,0 +1,41 @@
+"""``honing eval``: a checkpoint scores what its run logged at that step (same prompts, same
+sampling), for a full checkpoint and for a LoRA one loaded as base + adapter."""
+
+import json
+
+import pytest
+
+from honing import cli
+from honing.pipeline.evaluate import evaluate_model
+from honing.pipeline.run import train
+
+from ._configs import small_run_config
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_checkpoint_scores_what_its_run_logged(tmp_path, micro_model_dir, digit_reward, lora):
+    if lora:
+        pytest.importorskip("peft")
+    extra = {"model.lora_rank": 4} if lora else {}
+    config = small_run_config(
+        micro_model_dir,
+        digit_reward,
+        **{"trainer.total_steps": 2, "checkpoint.every": 2, "trainer.lr": 1e-2} | extra,
+    )
+    train(config, tmp_path / "run", log=lambda m: None)
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    got = evaluate_model(config, str(checkpoint), log=lambda m: None)
+    for key in ("val/accuracy", "val/pass@1", "val/mean@1"):
+        assert got[key] == last[key], key
+    assert got["val/prompts"] == 4
+
+
+def test_the_command_prints_and_writes_the_metrics(tmp_path, micro_model_dir, capsys):
+    out = tmp_path / "eval.json"
+    args = ["eval", f"model.path={micro_model_dir}", "data.val_size=4", "rollout.val_samples=2"]
+    assert cli.main(args + ["--model", str(micro_model_dir), "--output", str(out)]) == 0
+    assert "val/accuracy:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["val/prompts"] == 4
+    assert cli.main(["eval", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
