@@ -328,15 +328,7 @@ def build_components(config: Config, log=print) -> Components:
         schedule=t.lr_schedule,
         min_ratio=t.min_lr_ratio,
     )
-    local = TransformersEngine(
-        policy,
-        tokenizer,
-        device=device,
-        generation_batch=rollout.generation_batch,
-        fast_decode=rollout.fast_decode,
-        speculation=speculation(config, tokenizer, device, policy),
-        gen_timeout_s=rollout.gen_timeout_s,
-    )
+    local = local_engine(config, policy, tokenizer, device)
     mtp = local.speculation.draft_model if rollout.speculative == "mtp" else None
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     parts = Components(
@@ -356,14 +348,7 @@ def build_components(config: Config, log=print) -> Components:
         optimizer=optimizer,
         scheduler=scheduler,
         update=update_settings(config),
-        train_sampling=SamplingParams(
-            n=rollout.group_size,
-            max_new_tokens=rollout.max_new_tokens,
-            max_seq_len=rollout.max_seq_len,
-            temperature=rollout.temperature,
-            top_k=rollout.top_k,
-            top_p=rollout.top_p,
-        ),
+        train_sampling=train_sampling(config),
         skipped_rows=skipped,
         critic=critic,
         critic_optimizer=critic_optimizer,
@@ -382,6 +367,35 @@ def build_components(config: Config, log=print) -> Components:
 
         parts = ray_backend.attach(config, parts, model_path)
     return parts
+
+
+def local_engine(config: Config, model, tokenizer, device: torch.device) -> TransformersEngine:
+    """Honing's in-process engine on ``model`` with the config's rollout settings (batching,
+    fast decode, speculation, generation timeout): the run's, a Ray worker's, ``honing
+    eval``'s."""
+    rollout = config.rollout
+    return TransformersEngine(
+        model,
+        tokenizer,
+        device=device,
+        generation_batch=rollout.generation_batch,
+        fast_decode=rollout.fast_decode,
+        speculation=speculation(config, tokenizer, device, model),
+        gen_timeout_s=rollout.gen_timeout_s,
+    )
+
+
+def train_sampling(config: Config) -> SamplingParams:
+    """How the training batches are sampled (validation changes n, greedy and the seed)."""
+    rollout = config.rollout
+    return SamplingParams(
+        n=rollout.group_size,
+        max_new_tokens=rollout.max_new_tokens,
+        max_seq_len=rollout.max_seq_len,
+        temperature=rollout.temperature,
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+    )
 
 
 def speculation(config: Config, tokenizer, device: torch.device, policy=None):

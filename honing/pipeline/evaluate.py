@@ -67,11 +67,12 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
         build_scorer,
         check_ground_truths,
         load_datasets,
+        local_engine,
         resolve_model_path,
         tokenize_prompts,
+        train_sampling,
     )
     from honing.pipeline.loop import step_seed
-    from honing.rollout.transformers_engine import TransformersEngine
 
     path, m = Path(model_path), config.model
     device = device_of(m.device)
@@ -99,24 +100,14 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
             model = load_causal_lm(
                 path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
             ).eval()
-        rollout = config.rollout
-        rendered, prompt_ids = tokenize_prompts(val, tokenizer, rollout.max_seq_len)
-        engine = TransformersEngine(
-            model,
-            tokenizer,
-            device=device,
-            generation_batch=rollout.generation_batch,
-            fast_decode=rollout.fast_decode,
+        rendered, prompt_ids = tokenize_prompts(val, tokenizer, config.rollout.max_seq_len)
+        engine = local_engine(config, model, tokenizer, device)
+        sampling = dataclasses.replace(
+            train_sampling(config), seed=step_seed(config.trainer.seed, -1)
+        )  # as the run validates (TrainLoop._validate)
+        metrics = validate(
+            engine, scorer, val, prompt_ids, rendered, sampling, config.rollout.val_samples
         )
-        sampling = SamplingParams(
-            max_new_tokens=rollout.max_new_tokens,
-            max_seq_len=rollout.max_seq_len,
-            temperature=rollout.temperature,
-            top_k=rollout.top_k,
-            top_p=rollout.top_p,
-            seed=step_seed(config.trainer.seed, -1),
-        )
-        metrics = validate(engine, scorer, val, prompt_ids, rendered, sampling, rollout.val_samples)
     finally:
         scorer.close()
     return metrics | {"val/prompts": float(len(val))}

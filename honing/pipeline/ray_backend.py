@@ -311,15 +311,26 @@ class _Pool:
 
     kind = ""  # rollout | reward
 
-    def __init__(self, control, rid: str, report: Report, timeout_s: float):
-        self.control, self.rid, self.report, self.timeout_s = control, rid, report, timeout_s
+    def __init__(self, config: Config, control, rid: str, report: Report, actor, resources):
+        """``actor``: the Ray actor class, started with ``config`` and ``resources``."""
+        self.control, self.rid, self.report = control, rid, report
+        self.timeout_s = config.pipeline.actor_start_timeout_s
+        self.config, self.actor = config, actor
+        self.options = dict(resources)
+        if config.pipeline.placement == "spread":
+            self.options["scheduling_strategy"] = "SPREAD"
         self.workers: list[_Worker] = []
         self.lock = threading.RLock()
         self._count = 0
         self._replaced_in_a_row = 0  # replacements since a task last succeeded
 
     def _new_actor(self, name: str):
-        raise NotImplementedError
+        return self.actor.options(name=name, namespace=NAMESPACE, **self.options).remote(
+            *self._actor_args()
+        )
+
+    def _actor_args(self) -> tuple:
+        return (self.config,)
 
     def _target(self) -> int:
         return ray.get(self.control.get.remote())[f"{self.kind}_workers"]
@@ -470,36 +481,15 @@ class RolloutWorker:
     def __init__(self, config: Config, model_dir: str):
         import torch
 
-        from honing.models.loading import load_causal_lm, load_tokenizer, resolve_device
-        from honing.rollout.transformers_engine import TransformersEngine
+        from honing.models.loading import load_tokenizer, resolve_device
+        from honing.pipeline.components import frozen_model, local_engine
 
         threads = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1) or 1)
         torch.set_num_threads(max(threads, 1))
-        m = config.model
-        device = resolve_device(m.device)
-        tokenizer = load_tokenizer(model_dir, trust_remote_code=m.trust_remote_code)
-        model = (
-            load_causal_lm(
-                model_dir,
-                tokenizer,
-                dtype=m.dtype,
-                device=device,
-                trust_remote_code=m.trust_remote_code,
-            )
-            .eval()
-            .requires_grad_(False)
-        )
-        from honing.pipeline.components import speculation
-
-        self.engine = TransformersEngine(
-            model,
-            tokenizer,
-            device=device,
-            generation_batch=config.rollout.generation_batch,
-            fast_decode=config.rollout.fast_decode,
-            speculation=speculation(config, tokenizer, device, model),
-            gen_timeout_s=config.rollout.gen_timeout_s,
-        )
+        device = resolve_device(config.model.device)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=config.model.trust_remote_code)
+        model = frozen_model(Path(model_dir), tokenizer, config, device)
+        self.engine = local_engine(config, model, tokenizer, device)
         self.engine.shares_policy = False
 
     def ready(self) -> bool:
@@ -525,20 +515,16 @@ class RayRolloutEngine(_Pool):
 
     def __init__(self, config: Config, model_dir: Path, control, rid: str, report: Report):
         settings = config.pipeline
-        super().__init__(control, rid, report, settings.actor_start_timeout_s)
-        self.config, self.model_dir, self.chunk = config, str(model_dir), settings.rollout_chunk
-        self.options = {"num_cpus": settings.rollout_cpus, "num_gpus": settings.rollout_gpus}
-        if settings.placement == "spread":
-            self.options["scheduling_strategy"] = "SPREAD"
+        resources = {"num_cpus": settings.rollout_cpus, "num_gpus": settings.rollout_gpus}
+        super().__init__(config, control, rid, report, RolloutWorker, resources)
+        self.model_dir, self.chunk = str(model_dir), settings.rollout_chunk
         self.weight_version = 0
         self.regenerated = 0
         self._latest = None  # (version, ObjectRef of the weights)
         self.reconcile(quiet=True)
 
-    def _new_actor(self, name: str):
-        return RolloutWorker.options(name=name, namespace=NAMESPACE, **self.options).remote(
-            self.config, self.model_dir
-        )
+    def _actor_args(self) -> tuple:
+        return (self.config, self.model_dir)
 
     def take_report(self) -> tuple[dict[str, float], list[tuple[str, dict]]]:
         """The pools' gauges now and their events since the last call."""
@@ -607,18 +593,9 @@ class RewardPool(_Pool):
     kind = "reward"
 
     def __init__(self, config: Config, control, rid: str, report: Report):
-        settings = config.pipeline
-        super().__init__(control, rid, report, settings.actor_start_timeout_s)
-        self.config = config
-        self.options = {"num_cpus": settings.reward_cpus}
-        if settings.placement == "spread":
-            self.options["scheduling_strategy"] = "SPREAD"
+        resources = {"num_cpus": config.pipeline.reward_cpus}
+        super().__init__(config, control, rid, report, RewardWorker, resources)
         self.reconcile(quiet=True)
-
-    def _new_actor(self, name: str):
-        return RewardWorker.options(name=name, namespace=NAMESPACE, **self.options).remote(
-            self.config
-        )
 
     def _target(self) -> int:
         return max(super()._target(), 1)  # set to 0 while running: keep one
