@@ -192,6 +192,9 @@ class TrainerConfig:
     # Mixed precision for the trainer's forward passes (weights, gradients and the optimizer
     # stay in model.dtype, float32 by default: fp32 master weights with bf16 compute)
     autocast: str = _opt("none", choices=("none", "bfloat16", "float16"))
+    # Logprob passes of Llama-family models run each prompt once per group, without padding
+    # (honing/trainer/packed.py); the same numbers as the model's own forward, less work
+    packed_forward: bool = _opt(True)
 
 
 @dataclass(frozen=True)

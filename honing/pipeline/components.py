@@ -192,6 +192,7 @@ def update_settings(config: Config) -> UpdateSettings:
         clip_ratio_c=algo.clip_ratio_c,
         loss_scale_len=config.rollout.max_new_tokens,
         autocast=trainer.autocast,
+        packed=trainer.packed_forward,
     )
 
 

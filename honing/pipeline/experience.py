@@ -73,6 +73,7 @@ def make_experience(
     baselines: dict[int, float] | None = None,
 ) -> Experience:
     algo, temperature = config.algorithm, parts.update.temperature
+    packed = parts.update.packed
     batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
     mask = batch.response_mask
     metrics: dict[str, float] = {}
@@ -81,7 +82,9 @@ def make_experience(
         if parts.reference is not None or (config.algorithm.kl_coef > 0 and is_lora(parts.policy)):
             started = time.perf_counter()
             if parts.reference is not None:
-                ref_logprobs, _ = response_logprobs(parts.reference, batch, temperature=temperature)
+                ref_logprobs, _ = response_logprobs(
+                    parts.reference, batch, temperature=temperature, packed=packed
+                )
             else:  # LoRA: the reference is the base model, the policy with adapters off
                 with parts.policy.disable_adapter():
                     ref_logprobs, _ = response_logprobs(
@@ -91,7 +94,9 @@ def make_experience(
         old_values = parts.critic(batch) if parts.critic is not None else None
         if needs_old_logprobs(config, parts, len(batch)):
             started = time.perf_counter()
-            old_logprobs, _ = response_logprobs(parts.policy, batch, temperature=temperature)
+            old_logprobs, _ = response_logprobs(
+                parts.policy, batch, temperature=temperature, packed=packed
+            )
             metrics["timing_s/old"] = time.perf_counter() - started
     scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
     token_rewards = token_level_rewards(scores, mask)  # [N, R]

@@ -7,12 +7,8 @@ pre-allocated KV cache, one boolean mask, q/k/v and gate/up projections fused in
 each, ``scaled_dot_product_attention`` for the prompt and two batched matmuls for each new
 token's attention (the fused CPU kernel is slower for a single query), and nothing else.
 
-What is supported (``supports`` checks it and says why not otherwise): the transformers
-``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` classes (not
-``trust_remote_code`` ones) whose blocks are exactly RMSNorm -> GQA attention (plain
-``nn.Linear`` q/k/v/o with or without bias) with the default rotary embedding -> RMSNorm ->
-SiLU-gated MLP, in float32, bfloat16 or float16, with no sliding window and no rope scaling.
-Quantised or adapter-wrapped layers are not ``nn.Linear`` and so fall back.
+What is supported: ``honing.models.llama_block.supports`` says (Llama-family blocks in
+float32/bfloat16/float16; LoRA layers are merged per generation; anything else falls back).
 
 Why it is exact: every operation is the one the Hugging Face modules run, in the same order and
 dtype: RMSNorm in float32 cast back before the weight, cos/sin computed in float32 from the
@@ -33,84 +29,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# transformers class name -> model_type; all three share the Llama decoder block.
-SUPPORTED_CLASSES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from honing.models.llama_block import Norm, norm_of, rms_norm, rotary, rotate, supports, unwrap
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT (LoRA) wrapper, or ``model`` itself."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
-
-
-def _plain_or_lora(linear: nn.Module) -> bool:
-    """An ``nn.Linear``, or PEFT's LoRA layer around one (no DoRA)."""
-    if type(linear) is nn.Linear:
-        return True
-    base = getattr(linear, "base_layer", None)
-    return (
-        type(linear).__module__.startswith("peft.tuners.lora")
-        and type(base) is nn.Linear
-        and not any(getattr(linear, "use_dora", {}).values())
-    )
-
-
-def supports(model: nn.Module) -> bool | str:
-    """True when ``FastDecoder`` computes exactly what ``model``'s forward does, else the reason."""
-    model = unwrap(model)
-    name, config = type(model).__name__, model.config
-    if not type(model).__module__.startswith("transformers.models."):
-        return f"{type(model).__module__}.{name} is not a transformers class"
-    if SUPPORTED_CLASSES.get(name) != getattr(config, "model_type", None):
-        return f"{name} (model_type {getattr(config, 'model_type', None)}) is not Llama-family"
-    if config.hidden_act != "silu":
-        return f"hidden_act {config.hidden_act!r} is not silu"
-    rotary = model.model.rotary_emb
-    if rotary.rope_type != "default" or rotary.attention_scaling != 1.0:
-        return f"rope type {rotary.rope_type!r} is not the default"
-    if getattr(config, "sliding_window", None) is not None:
-        return f"sliding window attention ({config.sliding_window})"
-    dtype = model.model.embed_tokens.weight.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
-    if type(model.model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not nn.Linear:
-        return "the embedding or lm_head is not a plain module"
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(_plain_or_lora(linear) for linear in linears):
-            return "a projection is not nn.Linear or a LoRA layer on one (quantised?)"
-        if set(dict(layer.named_children())) != {
-            "self_attn",
-            "mlp",
-            "input_layernorm",
-            "post_attention_layernorm",
-        } or set(dict(attn.named_children())) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
-            return "a decoder layer has modules beyond the Llama block"
-    return True
-
-
-class _Norm(NamedTuple):
-    weight: torch.Tensor
-    eps: float
+__all__ = ["FastDecoder", "supports", "unwrap"]
 
 
 class _Layer(NamedTuple):
     """One decoder block's weights for one generation: q/k/v and gate/up fused into one
     matrix each (one matmul instead of three and two; biases may be None)."""
 
-    input_norm: _Norm
+    input_norm: Norm
     qkv: tuple[torch.Tensor, torch.Tensor | None]
     qkv_sizes: tuple[int, int, int]
     o: tuple[torch.Tensor, torch.Tensor | None]
-    post_norm: _Norm
+    post_norm: Norm
     gate_up: tuple[torch.Tensor, torch.Tensor | None]
     down: tuple[torch.Tensor, torch.Tensor | None]
 
@@ -141,34 +73,17 @@ def _fused(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, torch.cat(bias)
 
 
-def _norm(norm: nn.Module) -> _Norm:
-    return _Norm(norm.weight, norm.variance_epsilon)
-
-
 def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     return _Layer(
-        _norm(layer.input_layernorm),
+        norm_of(layer.input_layernorm),
         _fused(attn.q_proj, attn.k_proj, attn.v_proj),
         (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         _params(attn.o_proj),
-        _norm(layer.post_attention_layernorm),
+        norm_of(layer.post_attention_layernorm),
         _fused(mlp.gate_proj, mlp.up_proj),
         _params(mlp.down_proj),
     )
-
-
-def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (one fused op in float32)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
-    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF ``x * cos + rotate_half(x) * sin``, where ``rotate_half(x) = cat(-x2, x1)``: the same
-    products as ``cat(x2, x1) * cat(-sin1, sin2)`` (a negation is exact), one op fewer."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class FastDecoder:
@@ -197,7 +112,7 @@ class FastDecoder:
         counting from each row's first real token) and make room for ``max_new_tokens`` more."""
         inner = self.model.model
         self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
-        self.final_norm = _norm(inner.norm)
+        self.final_norm = norm_of(inner.norm)
         self.embedding = inner.embed_tokens.weight
         self.lm_head = _params(self.model.lm_head)
         batch, prompt_len = ids.shape
@@ -250,15 +165,16 @@ class FastDecoder:
         batch, width = ids.shape
         start, end = self.length, self.length + width
         x = F.embedding(ids, self.embedding)  # [B, T, E]
-        cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D], sin signed for _rotate
+        cos, sin = rotary(self.model.model.rotary_emb.inv_freq, positions, x.dtype)  # [B, T, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D], sin signed for rotate
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm)
+            h = rms_norm(x, layer.input_norm)
             q, k, v = (
                 part.view(batch, width, -1, self.head_dim).transpose(1, 2)
                 for part in F.linear(h, *layer.qkv).split(layer.qkv_sizes, dim=-1)
             )  # [B, H or Hkv, T, D]
-            q = _rotate(q, cos, sin)
-            self.keys[index, :, :, start:end] = _rotate(k, cos, sin)
+            q = rotate(q, cos, sin)
+            self.keys[index, :, :, start:end] = rotate(k, cos, sin)
             self.values[index, :, :, start:end] = v
             keys, values = self.keys[index, :, :, :end], self.values[index, :, :, :end]
             if width == 1:
@@ -273,15 +189,15 @@ class FastDecoder:
                     enable_gqa=self.heads != self.kv_heads,
                 )  # [B, H, T, D]
             x = x + F.linear(out.transpose(1, 2).reshape(batch, width, -1), *layer.o)
-            h = _rms_norm(x, layer.post_norm)
+            h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *layer.down)
         self.length = end
         if every_position:
-            normed = _rms_norm(x, self.final_norm)  # [B, T, E]
+            normed = rms_norm(x, self.final_norm)  # [B, T, E]
             self.hidden = normed
             return F.linear(normed, *self.lm_head)  # [B, T, V]
-        last = _rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
+        last = rms_norm(x[:, -1], self.final_norm)  # the norm is per position: only the last
         self.hidden = last[:, None]  # [B, 1, E]: what the last position's logits came from
         return F.linear(last, *self.lm_head)  # [B, V]
 
@@ -297,12 +213,3 @@ class FastDecoder:
         scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, S]
         scores = scores.masked_fill(~attend, float("-inf")).softmax(-1)
         return torch.matmul(scores, values).view(batch, -1, 1, dim)
-
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin as HF's rotary embedding makes them (float32, then the model dtype), the
-        first half of sin negated for ``_rotate``."""
-        inv_freq = self.model.model.rotary_emb.inv_freq.float()
-        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
-        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
-        sin = freqs.sin().to(dtype)
-        return cos[:, None], torch.cat((-sin, sin), dim=-1)[:, None]

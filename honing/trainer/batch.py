@@ -15,6 +15,7 @@ import torch
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
 from honing.trainer.head import head_logprobs
+from honing.trainer.packed import packed_response_logprobs, packed_supported
 from honing.types import Rollout
 
 
@@ -101,6 +102,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (and entropy) of each response token under ``model``: [B, R] each.
 
@@ -113,7 +115,20 @@ def response_logprobs(
     (``honing.trainer.head``): it runs on chunks of real response tokens only, the ``[B, R, V]``
     logits are never held at once, and the backward pass recomputes one chunk at a time, so long
     responses with a large vocabulary fit in memory. Padding positions then get logprob 0.
+
+    ``packed``: where ``packed_supported(model)``, the forward runs each distinct prompt once
+    and no padding (``honing.trainer.packed``), the head fused as above; the same numbers.
     """
+    if packed and packed_supported(model) is True:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        return packed_response_logprobs(
+            model,
+            batch,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=max(1, HEAD_CHUNK_LOGITS // vocab),
+        )
     width = batch.responses.shape[1]
     if _chunked_head(model, batch, width):
         return _chunked_response_logprobs(

@@ -39,6 +39,7 @@ class UpdateSettings:
     clip_ratio_c: float = 0.0  # dual clip (ppo_clip only); 0 = off
     loss_scale_len: int = 0  # seq_mean_token_sum_norm's constant length; 0 = batch width
     autocast: str = "none"  # none | bfloat16 | float16: the forward passes' compute dtype
+    packed: bool = True  # prompts once per group, no padding, where the model allows
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
@@ -94,6 +95,7 @@ def micro_step(
             temperature=settings.temperature,
             with_entropy=True,
             entropy_grad=settings.entropy_coef > 0,
+            packed=settings.packed,
         )  # [b, R]
     # On-policy (one optimizer step per batch): the old policy is the current one, ratio = 1.
     old = logprobs.detach() if old_logprobs is None else old_logprobs

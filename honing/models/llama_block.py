@@ -1,0 +1,120 @@
+"""The Llama-family decoder block's arithmetic, shared by the lean forwards.
+
+Two lean paths skip the Hugging Face module forward for the same maths with less overhead:
+``honing.rollout.fast_decode`` (prefill and one-token steps with a KV cache) and
+``honing.trainer.packed`` (the logprob passes of training, prompts shared by their group and
+no padding). Both compute exactly what the HF forward computes, operation for operation, so
+they must agree on which models qualify (``supports``) and on the three pieces of the block
+that HF spells in its own way: RMSNorm in float32, the rotary tables and ``rotate_half``.
+
+What qualifies: the transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and
+``MistralForCausalLM`` classes (not ``trust_remote_code`` ones) whose blocks are exactly
+RMSNorm -> GQA attention (plain ``nn.Linear`` q/k/v/o with or without bias) with the default
+rotary embedding -> RMSNorm -> SiLU-gated MLP, in float32, bfloat16 or float16, with no
+sliding window and no rope scaling. Quantised layers are not ``nn.Linear`` and so fall back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# transformers class name -> model_type; all three share the Llama decoder block.
+SUPPORTED_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT (LoRA) wrapper, or ``model`` itself."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _plain_or_lora(linear: nn.Module) -> bool:
+    """An ``nn.Linear``, or PEFT's LoRA layer around one (no DoRA)."""
+    if type(linear) is nn.Linear:
+        return True
+    base = getattr(linear, "base_layer", None)
+    return (
+        type(linear).__module__.startswith("peft.tuners.lora")
+        and type(base) is nn.Linear
+        and not any(getattr(linear, "use_dora", {}).values())
+    )
+
+
+def supports(model: nn.Module) -> bool | str:
+    """True when ``model`` (or the model in its LoRA wrapper) is a Llama-family block stack
+    the lean forwards compute exactly, else the reason it is not."""
+    model = unwrap(model)
+    name, config = type(model).__name__, model.config
+    if not type(model).__module__.startswith("transformers.models."):
+        return f"{type(model).__module__}.{name} is not a transformers class"
+    if SUPPORTED_CLASSES.get(name) != getattr(config, "model_type", None):
+        return f"{name} (model_type {getattr(config, 'model_type', None)}) is not Llama-family"
+    if config.hidden_act != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    rotary = model.model.rotary_emb
+    if rotary.rope_type != "default" or rotary.attention_scaling != 1.0:
+        return f"rope type {rotary.rope_type!r} is not the default"
+    if getattr(config, "sliding_window", None) is not None:
+        return f"sliding window attention ({config.sliding_window})"
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
+    if type(model.model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not nn.Linear:
+        return "the embedding or lm_head is not a plain module"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(_plain_or_lora(linear) for linear in linears):
+            return "a projection is not nn.Linear or a LoRA layer on one (quantised?)"
+        if set(dict(layer.named_children())) != {
+            "self_attn",
+            "mlp",
+            "input_layernorm",
+            "post_attention_layernorm",
+        } or set(dict(attn.named_children())) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+            return "a decoder layer has modules beyond the Llama block"
+    return True
+
+
+class Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+def norm_of(module: nn.Module) -> Norm:
+    return Norm(module.weight, module.variance_epsilon)
+
+
+def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (one fused op in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF ``x * cos + rotate_half(x) * sin``, where ``rotate_half(x) = cat(-x2, x1)``: the same
+    products as ``cat(x2, x1) * cat(-sin1, sin2)`` (a negation is exact), one op fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rotary(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``positions`` [...] as HF's rotary embedding makes them (float32, then
+    ``dtype``), the first half of sin negated for ``rotate``: two [..., D] tensors."""
+    freqs = positions[..., None].float() * inv_freq.float()  # [..., D/2]
+    cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
+    sin = freqs.sin().to(dtype)
+    return cos, torch.cat((-sin, sin), dim=-1)

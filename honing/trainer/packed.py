@@ -1,0 +1,263 @@
+"""Response logprobs with each prompt run once per group and no padding (Llama-family models).
+
+Why: a GRPO batch holds ``group_size`` completions of every prompt, and the padded layout of
+``TrainBatch`` runs each prompt once per completion, plus the padding up to the longest
+prompt and the longest response. On the peer benchmark (8 prompts x 8 completions) that is
+1,600 positions of which ~700 are distinct real work; with long prompts (math problems, code
+with tests) the shared prompt dominates. Here the forward runs on a flat stream of tokens:
+every distinct prompt once, then each row's response tokens (less the last, which predicts
+nothing). Norms, projections and the MLP see only those tokens; attention gathers each
+row's keys (its group's prompt, then its own response so far) into a padded block, so a
+response token attends to exactly what it attends to in the padded forward. Through the
+gather's backward, the gradients of every completion reach their shared prompt's tokens
+and are summed there, as the padded forward sums them over identical copies.
+
+It is the Hugging Face forward's arithmetic (``honing.models.llama_block``), so logprobs,
+entropies and gradients equal those of ``model(...)`` up to floating-point reassociation
+(tests/trainer/test_packed.py compares them). Models the lean block does not cover, LoRA
+wrappers, gradient checkpointing and attention dropout in training fall back to the model's
+own forward (``packed_supported`` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from honing.models.llama_block import norm_of, rms_norm, rotary, rotate, supports, unwrap
+from honing.trainer.head import head_logprobs
+
+
+def packed_supported(model: nn.Module) -> bool | str:
+    """True when the packed forward computes exactly what ``model``'s forward does."""
+    if unwrap(model) is not model:
+        return "a PEFT (LoRA) wrapper"
+    reason = supports(model)
+    if reason is not True:
+        return reason
+    if getattr(model, "is_gradient_checkpointing", False):
+        return "gradient checkpointing is on"
+    if model.training and getattr(model.config, "attention_dropout", 0.0):
+        return "attention dropout in training"
+    if model.lm_head.bias is not None:
+        return "the LM head has a bias"
+    return True
+
+
+@dataclass
+class PackedLayout:
+    """Where each token of a ``TrainBatch`` goes in the flat stream (built on the host).
+
+    ``N`` flat tokens: the distinct prompts' tokens, then each row's response tokens but the
+    last. Index N is a zero row that padding slots of the gathers point at.
+
+    Attributes:
+        ids, positions: [N] token ids and rotary positions of the flat stream.
+        prompt_slots: [U, Pm] flat index of each distinct prompt's tokens (N = padding).
+        response_slots: [B, Rm] flat index of each row's response inputs (N = padding).
+        key_slots: [B, Pm + Rm] a row's keys: its group's prompt, then its response inputs.
+        prompt_bias, response_bias: additive attention masks (0 or -inf), [U, 1, 1, Pm, Pm]
+            and [B, 1, 1, Rm, Pm + Rm] (a padding query sees itself: no empty softmax).
+        unpad: [N] where each flat token's attention output sits in the padded blocks.
+        predictors: [T] the flat token whose hidden state predicts each real response token
+            (row-major, as ``response_mask`` orders them).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    prompt_slots: torch.Tensor
+    response_slots: torch.Tensor
+    key_slots: torch.Tensor
+    prompt_bias: torch.Tensor
+    response_bias: torch.Tensor
+    unpad: torch.Tensor
+    predictors: torch.Tensor
+
+
+def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayout:
+    """The flat layout of ``batch`` (a ``TrainBatch``); rows with identical prompt tokens share
+    one copy of the prompt."""
+    width = batch.prompt_width
+    ids = batch.input_ids.tolist()
+    prompt_mask = batch.attention_mask[:, :width].tolist()
+    lengths = batch.response_mask.sum(-1).long().tolist()
+    prompts: dict[tuple[int, ...], int] = {}
+    group = []
+    for row, real in zip(ids, prompt_mask, strict=True):
+        tokens = tuple(t for t, keep in zip(row[:width], real, strict=True) if keep)
+        group.append(prompts.setdefault(tokens, len(prompts)))
+    flat_ids: list[int] = []
+    flat_positions: list[int] = []
+    prompt_slots, prompt_ends = [], []
+    for tokens in prompts:
+        prompt_slots.append(list(range(len(flat_ids), len(flat_ids) + len(tokens))))
+        flat_ids += tokens
+        flat_positions += range(len(tokens))
+        prompt_ends.append(len(flat_ids) - 1)
+    response_slots, predictors = [], []
+    for row, unit, length in zip(ids, group, lengths, strict=True):
+        prompt_len = len(prompt_slots[unit])
+        inputs = row[width : width + max(length - 1, 0)]  # the last token predicts nothing
+        slots = list(range(len(flat_ids), len(flat_ids) + len(inputs)))
+        response_slots.append(slots)
+        flat_ids += inputs
+        flat_positions += range(prompt_len, prompt_len + len(inputs))
+        if length > 0:
+            predictors += [prompt_ends[unit], *slots]
+    total = len(flat_ids)
+    prompt_index, prompt_real = _padded(prompt_slots, total)  # [U, Pm]
+    response_index, response_real = _padded(response_slots, total)  # [B, Rm]
+    group_index = torch.tensor(group)
+    key_index = torch.cat([prompt_index[group_index], response_index], dim=1)
+    prompt_width, response_width = prompt_index.shape[1], response_index.shape[1]
+    causal_p = torch.ones(prompt_width, prompt_width, dtype=torch.bool).tril()
+    sees_p = (causal_p & prompt_real[:, None, :]) | torch.eye(prompt_width, dtype=torch.bool)
+    causal_r = torch.ones(response_width, response_width, dtype=torch.bool).tril()
+    sees_r = torch.cat(
+        [
+            prompt_real[group_index][:, None, :].expand(-1, response_width, -1),
+            (causal_r & response_real[:, None, :]) | torch.eye(response_width, dtype=torch.bool),
+        ],
+        dim=-1,
+    )  # [B, Rm, Pm + Rm]
+    unpad = torch.cat(
+        [
+            prompt_real.flatten().nonzero().squeeze(1),
+            prompt_real.numel() + response_real.flatten().nonzero().squeeze(1),
+        ]
+    )
+    to = {"device": device}
+    return PackedLayout(
+        ids=torch.tensor(flat_ids, dtype=torch.long, **to),
+        positions=torch.tensor(flat_positions, dtype=torch.long, **to),
+        prompt_slots=prompt_index.to(**to),
+        response_slots=response_index.to(**to),
+        key_slots=key_index.to(**to),
+        prompt_bias=_bias(sees_p, dtype).to(**to),
+        response_bias=_bias(sees_r, dtype).to(**to),
+        unpad=unpad.to(**to),
+        predictors=torch.tensor(predictors, dtype=torch.long, **to),
+    )
+
+
+def _padded(rows: list[list[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged index lists -> [len(rows), longest] filled with ``fill``, and the real-entry mask."""
+    width = max((len(r) for r in rows), default=0)
+    index = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, row in enumerate(rows):
+        index[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return index, index != fill
+
+
+def _bias(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where a query sees a key, -inf elsewhere; [n, 1, 1, Q, K] to broadcast over heads."""
+    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
+    return bias[:, None, None]
+
+
+def packed_response_logprobs(
+    model: nn.Module,
+    batch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs`` through the packed forward: [B, R] logprobs (and entropy), 0 at
+    padding. ``model`` must pass ``packed_supported``."""
+    inner = model.model
+    weight = inner.embed_tokens.weight
+    layout = packed_layout(batch, weight.device, weight.dtype)
+    x = F.embedding(layout.ids, weight)  # [N, E]
+    cos, sin = rotary(inner.rotary_emb.inv_freq, layout.positions, x.dtype)  # [N, D]
+    cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: broadcast over heads
+    for layer in inner.layers:
+        x = x + _attention(layer, rms_norm(x, norm_of(layer.input_layernorm)), cos, sin, layout)
+        h = rms_norm(x, norm_of(layer.post_attention_layernorm))
+        mlp = layer.mlp
+        gate, up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])).chunk(2, -1)
+        x = x + mlp.down_proj(F.silu(gate) * up)
+    hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(inner.norm))  # [T, E]
+    real = batch.response_mask.bool()
+    logprobs, entropy = head_logprobs(
+        hidden,
+        model.lm_head.weight,
+        batch.responses[real],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
+    )
+    zeros = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = zeros.masked_scatter(real, logprobs)
+    return logprobs, None if entropy is None else zeros.masked_scatter(real, entropy)
+
+
+def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
+    """One block's self-attention output (after o_proj) for the flat tokens ``h`` [N, E]."""
+    attn = layer.self_attn
+    dim = attn.head_dim
+    q, k, v = (
+        part.view(part.shape[0], -1, dim)
+        for part in F.linear(
+            h,
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        ).split([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
+    )  # [N, heads, D]
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q, k, v))  # + padding row
+    prompt = _block(
+        _gather(q, layout.prompt_slots),
+        _gather(k, layout.prompt_slots),
+        _gather(v, layout.prompt_slots),
+        layout.prompt_bias,
+        attn.scaling,
+    )  # [U, Pm, H*D]
+    response = _block(
+        _gather(q, layout.response_slots),
+        _gather(k, layout.key_slots),
+        _gather(v, layout.key_slots),
+        layout.response_bias,
+        attn.scaling,
+    )  # [B, Rm, H*D]
+    out = torch.cat([prompt.flatten(0, 1), response.flatten(0, 1)]).index_select(0, layout.unpad)
+    return attn.o_proj(out)  # [N, E]
+
+
+def _fused_bias(*linears: nn.Linear) -> torch.Tensor | None:
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat(
+        [
+            linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+            for linear in linears
+        ]
+    )
+
+
+def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` [n, S] of ``x`` [N + 1, heads, D] -> [n, S, heads, D] (``index_select``:
+    its backward adds the gradients of repeated slots, as a shared prompt needs)."""
+    return x.index_select(0, slots.reshape(-1)).view(*slots.shape, *x.shape[1:])
+
+
+def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
+    """Grouped-query attention of padded blocks: q [n, T, H, D], k/v [n, S, Hkv, D] -> [n, T, H*D].
+
+    As HF's eager attention: query head h reads KV head h // (H / Hkv); scores scaled,
+    masked, softmax in float32, cast back, times the values."""
+    n, queries, heads, dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    q = q.view(n, queries, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, T, D]
+    q = q.reshape(n, kv_heads, group * queries, dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scaling  # [n, Hkv, G*T, S]
+    scores = scores.view(n, kv_heads, group, queries, keys) + bias
+    probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype).view(n, kv_heads, -1, keys)
+    out = torch.matmul(probs, v.transpose(1, 2)).view(n, kv_heads, group, queries, dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(n, queries, heads * dim)

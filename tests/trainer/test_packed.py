@@ -1,0 +1,137 @@
+"""The packed forward (prompts once per group, no padding) against the model's own forward.
+
+A batch like GRPO's: three prompts of different lengths, each with several completions of
+different lengths (one empty, one of a single token), so rows are padded on both sides and
+prompts repeat. Logprobs, entropies and every parameter's gradient must match the padded
+Hugging Face forward, for a random Qwen2 with q/k/v biases and grouped-query attention and for
+the repo's micro Llama.
+"""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.trainer.batch import collate, response_logprobs
+from honing.trainer.packed import packed_layout, packed_supported
+from honing.types import Rollout
+
+CPU = torch.device("cpu")
+
+
+def qwen2(vocab: int, pad: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: make them matter
+        for name, param in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, micro_model_dir):
+    tokenizer = load_tokenizer(micro_model_dir)
+    if request.param == "llama":
+        return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
+    return qwen2(len(tokenizer), tokenizer.pad_token_id)
+
+
+def grpo_like_batch(vocab: int, pad: int):
+    generator = torch.Generator().manual_seed(1)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    lengths = [[4, 0, 7, 1], [3, 3, 6], [5, 2]]  # an empty and a one-token completion
+    rollouts = []
+    for index, (prompt, group) in enumerate(zip(prompts, lengths, strict=True)):
+        for member, length in enumerate(group):
+            response = torch.randint(3, vocab, (length,), generator=generator).tolist()
+            rollouts.append(
+                Rollout(
+                    prompt_id=str(index),
+                    group_index=member,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    behaviour_logprobs=[-1.0] * length,
+                    finish_reason="stop",
+                    weight_version=0,
+                    text="",
+                )
+            )
+    order = torch.randperm(len(rollouts), generator=generator).tolist()  # groups interleaved
+    return collate([rollouts[i] for i in order], pad_id=pad, device=CPU)
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    return grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0)
+
+
+def test_the_layout_runs_each_prompt_once_and_no_padding(batch):
+    layout = packed_layout(batch, CPU, torch.float32)
+    distinct_prompts = 5 + 2 + 3
+    response_inputs = sum(max(n - 1, 0) for n in [4, 0, 7, 1, 3, 3, 6, 5, 2])
+    assert layout.ids.numel() == distinct_prompts + response_inputs
+    assert batch.input_ids.numel() > 3 * layout.ids.numel()  # what the padded forward runs
+    # One predictor per real response token, in response_mask order.
+    assert layout.predictors.numel() == int(batch.response_mask.sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, temperature):
+    model.eval()
+    with torch.no_grad():
+        expected, expected_entropy = response_logprobs(
+            model, batch, temperature=temperature, with_entropy=True
+        )
+        packed, entropy = response_logprobs(
+            model, batch, temperature=temperature, with_entropy=True, packed=True
+        )
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(packed[mask], expected[mask], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[mask], expected_entropy[mask], atol=2e-5, rtol=1e-5)
+    assert torch.all(packed[~mask] == 0) and torch.all(entropy[~mask] == 0)
+
+
+def test_gradients_equal_the_models_own_forward(model, batch):
+    model.train()
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
+
+    def gradients(packed: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = response_logprobs(
+            model, batch, with_entropy=True, entropy_grad=True, packed=packed
+        )
+        loss = ((logprobs + 0.1 * entropy) * weights * batch.response_mask).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, packed = gradients(False), gradients(True)
+    assert expected.keys() == packed.keys()
+    for name, grad in expected.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        assert (packed[name] - grad).abs().max() / scale < 1e-4, name
+    model.eval()
+
+
+def test_unsupported_models_say_why_and_fall_back(model, batch):
+    assert packed_supported(model) is True
+    model.gradient_checkpointing_enable()
+    try:
+        assert packed_supported(model) == "gradient checkpointing is on"
+        with torch.no_grad():  # falls back to the model's forward: same numbers
+            fallback, _ = response_logprobs(model, batch, packed=True)
+            plain, _ = response_logprobs(model, batch)
+        assert torch.equal(fallback, plain)
+    finally:
+        model.gradient_checkpointing_disable()
