@@ -86,6 +86,20 @@ def _layer(layer: nn.Module) -> _Layer:
     )
 
 
+def _first(rows: torch.Tensor) -> torch.Tensor:
+    """For ``rows`` (each row's distinct-prompt number, 0..U-1), the first row of each."""
+    first = torch.full((int(rows.max()) + 1,), len(rows), dtype=torch.long, device=rows.device)
+    return first.scatter_reduce(0, rows, torch.arange(len(rows), device=rows.device), "amin")
+
+
+def _residual(x: torch.Tensor, h: torch.Tensor, linear) -> torch.Tensor:
+    """``x + linear(h)`` as one ``addmm`` when the linear has no bias ([B, E] rows)."""
+    weight, bias = linear
+    if bias is not None:
+        return x + F.linear(h, weight, bias)
+    return torch.addmm(x, h, weight.t())
+
+
 class FastDecoder:
     """Prefill then one-token decode steps of a supported model, with a pre-allocated KV cache.
 
@@ -109,7 +123,10 @@ class FastDecoder:
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_new_tokens: int
     ) -> torch.Tensor:
         """Run the left-padded prompts ``ids`` [B, P] (``mask`` 1 on real tokens, ``positions``
-        counting from each row's first real token) and make room for ``max_new_tokens`` more."""
+        counting from each row's first real token) and make room for ``max_new_tokens`` more.
+
+        Rows with the same prompt (a group's samples) are run once and their cache copied:
+        the same keys and values, as the forward of a row depends on that row alone."""
         inner = self.model.model
         self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
         self.final_norm = norm_of(inner.norm)
@@ -117,23 +134,69 @@ class FastDecoder:
         self.lm_head = _params(self.model.lm_head)
         batch, prompt_len = ids.shape
         weight = inner.embed_tokens.weight
-        shape = (len(self.layers), batch, self.kv_heads, prompt_len + max_new_tokens, self.head_dim)
-        self.keys = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        self.values = torch.empty_like(self.keys)
-        self.valid = torch.ones(batch, shape[3], dtype=torch.bool, device=weight.device)  # [B, S]
+        capacity = prompt_len + max_new_tokens
+        shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
+        self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=weight.device)  # [B, S]
         self.valid[:, :prompt_len] = mask.bool()
+        # cos / sin of every position a row can reach, looked up by the decode steps
+        reach = torch.arange(int(positions.max()) + max_new_tokens + 1, device=weight.device)
+        self.cos, self.sin = rotary(inner.rotary_emb.inv_freq, reach, weight.dtype)  # [S', D]
         self.length = 0
+        distinct, rows = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+        if len(distinct) == batch:
+            rows = None
+        else:  # run each distinct prompt once, then give every row its prompt's cache
+            ids, mask, positions = ids[_first(rows)], mask[_first(rows)], positions[_first(rows)]
+        run = len(ids)
+        width = capacity if rows is None else prompt_len  # shared: a prompt-only cache
+        self.keys = weight.new_empty((shape[0], run, shape[2], width, shape[4]))
+        self.values = torch.empty_like(self.keys)
         # A query sees earlier real keys; a padding query also sees itself, so that no row of
         # the softmax is empty (its output is never used, but NaN would reach the cache).
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(prompt_len, dtype=torch.bool, device=ids.device)
-        attend = (causal & self.valid[:, None, None, :prompt_len]) | eye  # [B, 1, P, P]
-        return self._forward(ids, positions, attend)
+        attend = (causal & mask.bool()[:, None, None, :]) | eye  # [B, 1, P, P]
+        logits = self._forward(ids, positions, attend)
+        if rows is not None:
+            keys, values = self.keys, self.values
+            self.keys, self.values = weight.new_empty(shape), weight.new_empty(shape)
+            self.keys[:, :, :, :prompt_len] = keys[:, :, :, :prompt_len][:, rows]
+            self.values[:, :, :, :prompt_len] = values[:, :, :, :prompt_len][:, rows]
+            logits, self.hidden = logits[rows], self.hidden[rows]
+        return logits
 
     def step(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Append ``token`` [B] at ``positions`` [B, 1]; the logits of the next token [B, V]."""
-        attend = self.valid[:, None, None, : self.length + 1]  # [B, 1, 1, S]
-        return self._forward(token[:, None], positions, attend)
+        """Append ``token`` [B] at ``positions`` [B, 1]; the logits of the next token [B, V].
+
+        The single-token forward without the general path's reshapes: q and k rotated
+        together, scores as one ``baddbmm`` (scaled, masked), residual additions inside the
+        output projections' ``addmm``: the same products and sums, fewer operations."""
+        slot = self.length
+        end = slot + 1
+        batch, heads, kv_heads, dim = token.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(token, self.embedding)  # [B, E]
+        index = positions[:, 0]
+        cos, sin = self.cos[index][:, None], self.sin[index][:, None]  # [B, 1, D]
+        bias = torch.zeros(batch, kv_heads, 1, end, dtype=x.dtype, device=x.device)
+        bias.masked_fill_(~self.valid[:, None, None, :end], float("-inf"))
+        bias = bias.view(batch * kv_heads, 1, end)  # [B*Hkv, 1, S]
+        for number, layer in enumerate(self.layers):
+            qkv = F.linear(rms_norm(x, layer.input_norm), *layer.qkv).view(batch, -1, dim)
+            qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # [B, H + Hkv, D]
+            self.keys[number, :, :, slot] = qk[:, heads:]
+            self.values[number, :, :, slot] = qkv[:, heads + kv_heads :]
+            keys = self.keys[number, :, :, :end].reshape(batch * kv_heads, end, dim)
+            values = self.values[number, :, :, :end].reshape(batch * kv_heads, end, dim)
+            query = qk[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
+            scores = torch.baddbmm(bias, query, keys.transpose(1, 2), alpha=self.scaling)
+            out = torch.bmm(scores.softmax(-1), values).view(batch, heads * dim)  # [B, H*D]
+            x = _residual(x, out, layer.o)
+            gate, up = F.linear(rms_norm(x, layer.post_norm), *layer.gate_up).chunk(2, dim=-1)
+            x = _residual(x, F.silu(gate) * up, layer.down)
+        self.length = end
+        last = rms_norm(x, self.final_norm)
+        self.hidden = last[:, None]  # [B, 1, E]: what the logits came from
+        return F.linear(last, *self.lm_head)  # [B, V]
 
     def extend(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor

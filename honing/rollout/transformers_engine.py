@@ -56,13 +56,17 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch
     rounding at a block's end falls back to the block's last positive entry.
     """
     rows, vocab = probs.shape
+    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator)
+    if vocab <= SAMPLE_BLOCK:  # one block: the inner level alone (the same token for the same u)
+        target = u * probs.sum(-1, keepdim=True, dtype=torch.float64)
+        index = torch.searchsorted(probs.cumsum(-1, dtype=torch.float64), target, right=True)
+        return torch.minimum(index.squeeze(-1), _last_positive(probs))
     blocks = -(-vocab // SAMPLE_BLOCK)
     if blocks * SAMPLE_BLOCK != vocab:
         probs = torch.nn.functional.pad(probs, (0, blocks * SAMPLE_BLOCK - vocab))
     grid = probs.view(rows, blocks, SAMPLE_BLOCK)
     mass = grid.sum(-1, dtype=torch.float64)  # [B, blocks]
     cdf = mass.cumsum(-1)
-    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator)
     target = u * cdf[:, -1:]  # [B, 1]
     block = torch.minimum(
         torch.searchsorted(cdf, target, right=True), _last_positive(mass)[:, None]
