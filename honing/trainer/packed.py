@@ -52,12 +52,12 @@ class PackedLayout:
     """Where each token of a ``TrainBatch`` goes in the flat stream (built on the host).
 
     ``N`` flat tokens: the distinct prompts' tokens, then each row's response tokens but the
-    last. Index N is a zero row that padding slots of the gathers point at.
+    last. Padding slots of the gathers point at token 0 (masked out or dropped).
 
     Attributes:
         ids, positions: [N] token ids and rotary positions of the flat stream.
-        prompt_slots: [U, Pm] flat index of each distinct prompt's tokens (N = padding).
-        response_slots: [B, Rm] flat index of each row's response inputs (N = padding).
+        prompt_slots: [U, Pm] flat index of each distinct prompt's tokens.
+        response_slots: [B, Rm] flat index of each row's response inputs.
         key_slots: [B, Pm + Rm] a row's keys: its group's prompt, then its response inputs.
         prompt_bias, response_bias: additive attention masks (0 or -inf), [U, 1, 1, Pm, Pm]
             and [B, 1, 1, Rm, Pm + Rm] (a padding query sees itself: no empty softmax).
@@ -91,25 +91,24 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
         group.append(prompts.setdefault(tokens, len(prompts)))
     flat_ids: list[int] = []
     flat_positions: list[int] = []
-    prompt_slots, prompt_ends = [], []
+    prompt_starts, prompt_lens = [], []
     for tokens in prompts:
-        prompt_slots.append(list(range(len(flat_ids), len(flat_ids) + len(tokens))))
+        prompt_starts.append(len(flat_ids))
+        prompt_lens.append(len(tokens))
         flat_ids += tokens
         flat_positions += range(len(tokens))
-        prompt_ends.append(len(flat_ids) - 1)
-    response_slots, predictors = [], []
+    response_starts, response_lens, predictors = [], [], []
     for row, unit, length in zip(ids, group, lengths, strict=True):
-        prompt_len = len(prompt_slots[unit])
         inputs = row[width : width + max(length - 1, 0)]  # the last token predicts nothing
-        slots = list(range(len(flat_ids), len(flat_ids) + len(inputs)))
-        response_slots.append(slots)
+        start, prompt_len = len(flat_ids), prompt_lens[unit]
+        response_starts.append(start)
+        response_lens.append(len(inputs))
         flat_ids += inputs
         flat_positions += range(prompt_len, prompt_len + len(inputs))
-        if length > 0:
-            predictors += [prompt_ends[unit], *slots]
-    total = len(flat_ids)
-    prompt_index, prompt_real = _padded(prompt_slots, total)  # [U, Pm]
-    response_index, response_real = _padded(response_slots, total)  # [B, Rm]
+        if length > 0:  # the prompt's last token predicts the first response token
+            predictors += [prompt_starts[unit] + prompt_len - 1, *range(start, start + len(inputs))]
+    prompt_index, prompt_real = _padded(prompt_starts, prompt_lens)  # [U, Pm]
+    response_index, response_real = _padded(response_starts, response_lens)  # [B, Rm]
     group_index = torch.tensor(group)
     key_index = torch.cat([prompt_index[group_index], response_index], dim=1)
     prompt_width, response_width = prompt_index.shape[1], response_index.shape[1]
@@ -143,13 +142,15 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     )
 
 
-def _padded(rows: list[list[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged index lists -> [len(rows), longest] filled with ``fill``, and the real-entry mask."""
-    width = max((len(r) for r in rows), default=0)
-    index = torch.full((len(rows), width), fill, dtype=torch.long)
-    for i, row in enumerate(rows):
-        index[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return index, index != fill
+def _padded(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of flat indices ``start, start + 1, ...`` -> [len(starts), longest] and the mask of
+    real entries. Padding entries point at index 0: a padding key is masked out and a padding
+    query's output is dropped, so what they read never counts (and their gradient is 0)."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    offsets = torch.arange(max(lengths, default=0), dtype=torch.long)
+    real = offsets[None, :] < lengths_t[:, None]
+    index = torch.tensor(starts, dtype=torch.long)[:, None] + offsets[None, :]
+    return index.masked_fill_(~real, 0), real
 
 
 def _bias(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -201,16 +202,14 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     """One block's self-attention output (after o_proj) for the flat tokens ``h`` [N, E]."""
     attn = layer.self_attn
     dim = attn.head_dim
-    q, k, v = (
-        part.view(part.shape[0], -1, dim)
-        for part in F.linear(
-            h,
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        ).split([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
-    )  # [N, heads, D]
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q, k, v))  # + padding row
+    qkv = F.linear(
+        h,
+        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+    ).view(h.shape[0], -1, dim)  # [N, H + 2 Hkv, D]
+    heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
+    q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
     prompt = _block(
         _gather(q, layout.prompt_slots),
         _gather(k, layout.prompt_slots),
@@ -241,7 +240,7 @@ def _fused_bias(*linears: nn.Linear) -> torch.Tensor | None:
 
 
 def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows ``slots`` [n, S] of ``x`` [N + 1, heads, D] -> [n, S, heads, D] (``index_select``:
+    """Rows ``slots`` [n, S] of ``x`` [N, heads, D] -> [n, S, heads, D] (``index_select``:
     its backward adds the gradients of repeated slots, as a shared prompt needs)."""
     return x.index_select(0, slots.reshape(-1)).view(*slots.shape, *x.shape[1:])
 
