@@ -56,23 +56,22 @@ class PackedLayout:
 
     Attributes:
         ids, positions: [N] token ids and rotary positions of the flat stream.
-        prompt_slots: [U, Pm] flat index of each distinct prompt's tokens.
-        response_slots: [B, Rm] flat index of each row's response inputs.
-        key_slots: [B, Pm + Rm] a row's keys: its group's prompt, then its response inputs.
-        prompt_bias, response_bias: additive attention masks (0 or -inf), [U, 1, 1, Pm, Pm]
-            and [B, 1, 1, Rm, Pm + Rm] (a padding query sees itself: no empty softmax).
-        unpad: [N] where each flat token's attention output sits in the padded blocks.
+        query_slots: [U + B, Q] the queries of each attention row: a distinct prompt's tokens
+            (U rows), then a row's response inputs (B rows); Q = max(Pm, Rm).
+        key_slots: [U + B, Pm + Rm] their keys: the prompt (and nothing), or the row's
+            group's prompt then its response inputs.
+        bias: [U + B, 1, 1, Q, Pm + Rm] additive attention mask (0 or -inf): causal, real
+            keys only; a padding query sees key 0 (no empty softmax; its output is dropped).
+        unpad: [N] where each flat token's attention output sits in the [U + B, Q] block.
         predictors: [T] the flat token whose hidden state predicts each real response token
             (row-major, as ``response_mask`` orders them).
     """
 
     ids: torch.Tensor
     positions: torch.Tensor
-    prompt_slots: torch.Tensor
-    response_slots: torch.Tensor
+    query_slots: torch.Tensor
     key_slots: torch.Tensor
-    prompt_bias: torch.Tensor
-    response_bias: torch.Tensor
+    bias: torch.Tensor
     unpad: torch.Tensor
     predictors: torch.Tensor
 
@@ -110,33 +109,53 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     prompt_index, prompt_real = _padded(prompt_starts, prompt_lens)  # [U, Pm]
     response_index, response_real = _padded(response_starts, response_lens)  # [B, Rm]
     group_index = torch.tensor(group)
-    key_index = torch.cat([prompt_index[group_index], response_index], dim=1)
+    units = len(prompt_lens)
     prompt_width, response_width = prompt_index.shape[1], response_index.shape[1]
-    causal_p = torch.ones(prompt_width, prompt_width, dtype=torch.bool).tril()
-    sees_p = (causal_p & prompt_real[:, None, :]) | torch.eye(prompt_width, dtype=torch.bool)
-    causal_r = torch.ones(response_width, response_width, dtype=torch.bool).tril()
-    sees_r = torch.cat(
+    queries = max(prompt_width, response_width)
+    query_index = torch.cat(
         [
-            prompt_real[group_index][:, None, :].expand(-1, response_width, -1),
-            (causal_r & response_real[:, None, :]) | torch.eye(response_width, dtype=torch.bool),
-        ],
-        dim=-1,
-    )  # [B, Rm, Pm + Rm]
-    unpad = torch.cat(
+            F.pad(prompt_index, (0, queries - prompt_width)),
+            F.pad(response_index, (0, queries - response_width)),
+        ]
+    )  # [U + B, Q]
+    query_real = torch.cat(
         [
-            prompt_real.flatten().nonzero().squeeze(1),
-            prompt_real.numel() + response_real.flatten().nonzero().squeeze(1),
+            F.pad(prompt_real, (0, queries - prompt_width)),
+            F.pad(response_real, (0, queries - response_width)),
         ]
     )
+    key_index = torch.cat(
+        [
+            torch.cat([prompt_index, prompt_index.new_zeros(units, response_width)], 1),
+            torch.cat([prompt_index[group_index], response_index], 1),
+        ]
+    )  # [U + B, Pm + Rm]
+    # Key j of a row is a prompt token (j < Pm) or the row's response input j - Pm.
+    causal = torch.ones(queries, max(prompt_width, response_width), dtype=torch.bool).tril()
+    sees_prompt = torch.cat(  # prompt token j sees prompt tokens <= j
+        [
+            causal[:, :prompt_width][None] & prompt_real[:, None, :],
+            torch.zeros(units, queries, response_width, dtype=torch.bool),
+        ],
+        -1,
+    )
+    sees_response = torch.cat(  # response input i sees its prompt and response inputs <= i
+        [
+            prompt_real[group_index][:, None, :].expand(-1, queries, -1),
+            causal[:, :response_width][None] & response_real[:, None, :],
+        ],
+        -1,
+    )
+    sees = torch.cat([sees_prompt, sees_response])  # [U + B, Q, Pm + Rm]
+    sees[..., 0] |= ~query_real  # a padding query reads key 0: no empty softmax
+    unpad = query_real.flatten().nonzero().squeeze(1)
     to = {"device": device}
     return PackedLayout(
         ids=torch.tensor(flat_ids, dtype=torch.long, **to),
         positions=torch.tensor(flat_positions, dtype=torch.long, **to),
-        prompt_slots=prompt_index.to(**to),
-        response_slots=response_index.to(**to),
+        query_slots=query_index.to(**to),
         key_slots=key_index.to(**to),
-        prompt_bias=_bias(sees_p, dtype).to(**to),
-        response_bias=_bias(sees_r, dtype).to(**to),
+        bias=_bias(sees, dtype).to(**to),
         unpad=unpad.to(**to),
         predictors=torch.tensor(predictors, dtype=torch.long, **to),
     )
@@ -210,21 +229,14 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-    prompt = _block(
-        _gather(q, layout.prompt_slots),
-        _gather(k, layout.prompt_slots),
-        _gather(v, layout.prompt_slots),
-        layout.prompt_bias,
-        attn.scaling,
-    )  # [U, Pm, H*D]
-    response = _block(
-        _gather(q, layout.response_slots),
+    out = _block(
+        _gather(q, layout.query_slots),
         _gather(k, layout.key_slots),
         _gather(v, layout.key_slots),
-        layout.response_bias,
+        layout.bias,
         attn.scaling,
-    )  # [B, Rm, H*D]
-    out = torch.cat([prompt.flatten(0, 1), response.flatten(0, 1)]).index_select(0, layout.unpad)
+    )  # [U + B, Q, H*D]
+    out = out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
     return attn.o_proj(out)  # [N, E]
 
 
