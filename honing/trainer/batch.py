@@ -9,7 +9,7 @@ EOS) cannot hide a token from the loss.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,13 +40,20 @@ class TrainBatch:
     response_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     prompt_width: int
+    # Layouts of the packed forward made for this batch, by (device, dtype): the reference,
+    # old-logprob and update passes of one batch share one.
+    layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, index: torch.Tensor) -> TrainBatch:
-        """Rows ``index``, trimmed to the longest response among them (less padding to run)."""
+        """Rows ``index``, trimmed to the longest response among them (less padding to run).
+        All rows in order is the batch itself."""
         width = max(int(self.response_mask[index].sum(-1).max()), 1)
+        in_order = len(index) == len(self) and bool((index.cpu() == torch.arange(len(self))).all())
+        if in_order and width == self.responses.shape[1]:
+            return self
         cut = self.prompt_width + width
         return TrainBatch(
             self.input_ids[index, :cut],
@@ -63,16 +70,16 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
     """Pack rollouts into a ``TrainBatch`` on ``device``."""
     width_p = max(len(r.prompt_ids) for r in rollouts)
     width_r = max(max(len(r.response_ids) for r in rollouts), 1)
-    size = len(rollouts)
-    input_ids = torch.full((size, width_p + width_r), pad_id, dtype=torch.long)
-    attention = torch.zeros((size, width_p + width_r), dtype=torch.long)
-    behaviour = torch.zeros((size, width_r), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
+    rows, real, behaviour = [], [], []
+    for r in rollouts:  # Python lists, then one tensor each: no per-row tensor ops
         p, n = len(r.prompt_ids), len(r.response_ids)
-        input_ids[i, width_p - p : width_p] = torch.tensor(r.prompt_ids)
-        input_ids[i, width_p : width_p + n] = torch.tensor(r.response_ids, dtype=torch.long)
-        attention[i, width_p - p : width_p + n] = 1
-        behaviour[i, :n] = torch.tensor(r.behaviour_logprobs)
+        rows.append([pad_id] * (width_p - p) + list(r.prompt_ids) + list(r.response_ids))
+        rows[-1] += [pad_id] * (width_r - n)
+        real.append([0] * (width_p - p) + [1] * (p + n) + [0] * (width_r - n))
+        behaviour.append(list(r.behaviour_logprobs) + [0.0] * (width_r - n))
+    input_ids = torch.tensor(rows, dtype=torch.long)
+    attention = torch.tensor(real, dtype=torch.long)
+    behaviour = torch.tensor(behaviour, dtype=torch.float32)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return TrainBatch(
         input_ids=input_ids.to(device),

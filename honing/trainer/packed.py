@@ -191,7 +191,8 @@ def packed_response_logprobs(
     padding. ``model`` must pass ``packed_supported``."""
     inner = model.model
     weight = inner.embed_tokens.weight
-    layout = packed_layout(batch, weight.device, weight.dtype)
+    key = (weight.device, weight.dtype)
+    layout = batch.layouts.get(key) or batch.layouts.setdefault(key, packed_layout(batch, *key))
     x = F.embedding(layout.ids, weight)  # [N, E]
     cos, sin = rotary(inner.rotary_emb.inv_freq, layout.positions, x.dtype)  # [N, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: broadcast over heads
