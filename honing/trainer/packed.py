@@ -258,13 +258,29 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, slots.reshape(-1)).view(*slots.shape, *x.shape[1:])
 
 
+# Above this many bytes of attention scores per layer, attention goes through
+# scaled_dot_product_attention, which does not keep the [.., T, S] probabilities for the
+# backward pass (long responses); below it, two matmuls and a softmax are faster on CPU.
+MATH_ATTENTION_BYTES = 32 << 20
+
+
 def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
     """Grouped-query attention of padded blocks: q [n, T, H, D], k/v [n, S, Hkv, D] -> [n, T, H*D].
 
-    As HF's eager attention: query head h reads KV head h // (H / Hkv); scores scaled,
-    masked, softmax in float32, cast back, times the values."""
+    As HF's attention: query head h reads KV head h // (H / Hkv); scores scaled, masked,
+    softmax in float32, cast back, times the values."""
     n, queries, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
+    if n * heads * queries * keys * 4 > MATH_ATTENTION_BYTES:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=bias[:, :, 0],  # [n, 1, T, S]
+            scale=scaling,
+            enable_gqa=heads != kv_heads,
+        )  # [n, H, T, D]
+        return out.transpose(1, 2).reshape(n, queries, heads * dim)
     group = heads // kv_heads
     q = q.view(n, queries, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, T, D]
     q = q.reshape(n, kv_heads, group * queries, dim)

@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.trainer import packed
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.packed import packed_layout, packed_supported
 from honing.types import Rollout
@@ -38,6 +39,15 @@ def qwen2(vocab: int, pad: int) -> Qwen2ForCausalLM:
             if "bias" in name or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.3)
     return model
+
+
+@pytest.fixture(params=["math", "sdpa"])
+def attention(request, monkeypatch):
+    """Both attention paths: matmuls + softmax, and scaled_dot_product_attention (long
+    responses), forced here by the threshold."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(packed, "MATH_ATTENTION_BYTES", 0)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -88,7 +98,7 @@ def test_the_layout_runs_each_prompt_once_and_no_padding(batch):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, temperature):
+def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, temperature, attention):
     model.eval()
     with torch.no_grad():
         expected, expected_entropy = response_logprobs(
@@ -103,7 +113,7 @@ def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, tempera
     assert torch.all(packed[~mask] == 0) and torch.all(entropy[~mask] == 0)
 
 
-def test_gradients_equal_the_models_own_forward(model, batch):
+def test_gradients_equal_the_models_own_forward(model, batch, attention):
     model.train()
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
 
