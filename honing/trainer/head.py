@@ -58,21 +58,26 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, labels.shape[0], chunk):
             rows = slice(start, start + chunk)
             z = _logits(hidden[rows], weight, temperature)
-            lse = torch.logsumexp(z, dim=-1)
+            top = z.amax(-1, keepdim=True)
+            e = (z - top).exp_()  # one exp pass serves the normaliser and the entropy
+            total = e.sum(-1)
+            lse = top.squeeze(-1) + total.log()
             lses[rows] = lse
             logprobs[rows] = z.gather(-1, labels[rows, None]).squeeze(-1) - lse
-            if with_entropy:
-                p = (z - lse[:, None]).exp_()
-                entropy[rows] = lse - (p * z).sum(-1)
+            if with_entropy:  # H = lse - sum(p * z), p = e / total
+                entropy[rows] = lse - torch.linalg.vecdot(e, z) / total
         ctx.save_for_backward(hidden, weight, labels, lses, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(lses)
+        ctx.set_materialize_grads(False)  # an unused entropy gets None, not a zero gradient
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, lses, entropy = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lses)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         with_entropy = grad_entropy is not None and entropy.numel() > 0
@@ -80,13 +85,13 @@ class _FusedHead(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             z = _logits(hidden[rows], weight, ctx.temperature)
             log_p = z.sub_(lses[rows, None])  # in place: z is not needed again as such
-            p = log_p.exp()
             if with_entropy:  # -p * (log p + H) per unit of entropy gradient
+                p = log_p.exp()
                 log_p.add_(entropy[rows, None]).mul_(p).mul_(-grad_entropy[rows, None])
                 grad_z = log_p
                 grad_z.sub_(p.mul_(grad_logprobs[rows, None]))
-            else:
-                grad_z = p.mul_(-grad_logprobs[rows, None])
+            else:  # -p per unit of logprob gradient, made in place of log p
+                grad_z = log_p.exp_().mul_(-grad_logprobs[rows, None])
             grad_z.scatter_add_(-1, labels[rows, None], grad_logprobs[rows, None])
             if ctx.temperature != 1.0:
                 grad_z.div_(ctx.temperature)

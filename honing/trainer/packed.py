@@ -258,10 +258,11 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, slots.reshape(-1)).view(*slots.shape, *x.shape[1:])
 
 
-# Above this many bytes of attention scores per layer, attention goes through
+# Above this many bytes of attention scores per layer (the peer benchmark's 16-token batch
+# has 0.4 MiB, 128-token responses ~20 MiB), attention goes through
 # scaled_dot_product_attention, which does not keep the [.., T, S] probabilities for the
 # backward pass (long responses); below it, two matmuls and a softmax are faster on CPU.
-MATH_ATTENTION_BYTES = 32 << 20
+MATH_ATTENTION_BYTES = 4 << 20
 
 
 def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
