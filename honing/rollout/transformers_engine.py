@@ -307,7 +307,8 @@ class TransformersEngine:
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         ids, mask, positions, budget = self._prepare(chunk, params)
         was_training = self.model.training
-        self.model.eval()
+        if not self.fast_decode:  # the fast decoder runs no dropout: no mode switch to pay
+            self.model.eval()
         decoder = self._decoder()
         logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
         tokens, logprobs = [], []
@@ -326,7 +327,8 @@ class TransformersEngine:
                 break
             positions = positions[:, -1:] + 1
             logits = decoder.step(token, positions)
-        self.model.train(was_training)
+        if not self.fast_decode:
+            self.model.train(was_training)
         seconds = time.perf_counter() - started
         return self._to_rollouts(
             chunk,

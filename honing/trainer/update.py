@@ -154,7 +154,8 @@ def update_policy(
     """
     generator = generator or torch.Generator().manual_seed(0)
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    model.train()
+    if not model.training:  # a module walk: only when generation left it in eval mode
+        model.train()
     totals: dict[str, torch.Tensor] = {}
     grad_norms = []
     optimizer_steps = skipped = 0
