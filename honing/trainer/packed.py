@@ -21,7 +21,7 @@ own forward (``packed_supported`` says why).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,37 +79,11 @@ class PackedLayout:
 def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayout:
     """The flat layout of ``batch`` (a ``TrainBatch``); rows with identical prompt tokens share
     one copy of the prompt."""
-    width = batch.prompt_width
-    ids = batch.input_ids.tolist()
-    prompt_mask = batch.attention_mask[:, :width].tolist()
-    lengths = batch.response_mask.sum(-1).long().tolist()
-    prompts: dict[tuple[int, ...], int] = {}
-    group = []
-    for row, real in zip(ids, prompt_mask, strict=True):
-        tokens = tuple(t for t, keep in zip(row[:width], real, strict=True) if keep)
-        group.append(prompts.setdefault(tokens, len(prompts)))
-    flat_ids: list[int] = []
-    flat_positions: list[int] = []
-    prompt_starts, prompt_lens = [], []
-    for tokens in prompts:
-        prompt_starts.append(len(flat_ids))
-        prompt_lens.append(len(tokens))
-        flat_ids += tokens
-        flat_positions += range(len(tokens))
-    response_starts, response_lens, predictors = [], [], []
-    for row, unit, length in zip(ids, group, lengths, strict=True):
-        inputs = row[width : width + max(length - 1, 0)]  # the last token predicts nothing
-        start, prompt_len = len(flat_ids), prompt_lens[unit]
-        response_starts.append(start)
-        response_lens.append(len(inputs))
-        flat_ids += inputs
-        flat_positions += range(prompt_len, prompt_len + len(inputs))
-        if length > 0:  # the prompt's last token predicts the first response token
-            predictors += [prompt_starts[unit] + prompt_len - 1, *range(start, start + len(inputs))]
-    prompt_index, prompt_real = _padded(prompt_starts, prompt_lens)  # [U, Pm]
-    response_index, response_real = _padded(response_starts, response_lens)  # [B, Rm]
-    group_index = torch.tensor(group)
-    units = len(prompt_lens)
+    stream = _Stream.of(batch)
+    prompt_index, prompt_real = _padded(stream.prompt_starts, stream.prompt_lens)  # [U, Pm]
+    response_index, response_real = _padded(stream.response_starts, stream.response_lens)
+    group = torch.tensor(stream.group)  # [B] each row's distinct prompt
+    units = len(stream.prompt_lens)
     prompt_width, response_width = prompt_index.shape[1], response_index.shape[1]
     queries = max(prompt_width, response_width)
     query_index = torch.cat(
@@ -127,11 +101,10 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     key_index = torch.cat(
         [
             torch.cat([prompt_index, prompt_index.new_zeros(units, response_width)], 1),
-            torch.cat([prompt_index[group_index], response_index], 1),
+            torch.cat([prompt_index[group], response_index], 1),
         ]
-    )  # [U + B, Pm + Rm]
-    # Key j of a row is a prompt token (j < Pm) or the row's response input j - Pm.
-    causal = torch.ones(queries, max(prompt_width, response_width), dtype=torch.bool).tril()
+    )  # [U + B, Pm + Rm]: key j is a prompt token (j < Pm) or the response input j - Pm
+    causal = torch.ones(queries, queries, dtype=torch.bool).tril()
     sees_prompt = torch.cat(  # prompt token j sees prompt tokens <= j
         [
             causal[:, :prompt_width][None] & prompt_real[:, None, :],
@@ -141,24 +114,66 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     )
     sees_response = torch.cat(  # response input i sees its prompt and response inputs <= i
         [
-            prompt_real[group_index][:, None, :].expand(-1, queries, -1),
+            prompt_real[group][:, None, :].expand(-1, queries, -1),
             causal[:, :response_width][None] & response_real[:, None, :],
         ],
         -1,
     )
     sees = torch.cat([sees_prompt, sees_response])  # [U + B, Q, Pm + Rm]
     sees[..., 0] |= ~query_real  # a padding query reads key 0: no empty softmax
-    unpad = query_real.flatten().nonzero().squeeze(1)
     to = {"device": device}
     return PackedLayout(
-        ids=torch.tensor(flat_ids, dtype=torch.long, **to),
-        positions=torch.tensor(flat_positions, dtype=torch.long, **to),
+        ids=torch.tensor(stream.ids, dtype=torch.long, **to),
+        positions=torch.tensor(stream.positions, dtype=torch.long, **to),
         query_slots=query_index.to(**to),
         key_slots=key_index.to(**to),
         bias=_bias(sees, dtype).to(**to),
-        unpad=unpad.to(**to),
-        predictors=torch.tensor(predictors, dtype=torch.long, **to),
+        unpad=query_real.flatten().nonzero().squeeze(1).to(**to),
+        predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
     )
+
+
+@dataclass
+class _Stream:
+    """The flat token stream of a batch, as host lists: ids and positions, where each distinct
+    prompt and each row's response inputs start and how long they are, each row's prompt
+    number, and the predictor of each real response token."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    prompt_starts: list[int] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+    response_starts: list[int] = field(default_factory=list)
+    response_lens: list[int] = field(default_factory=list)
+    group: list[int] = field(default_factory=list)
+    predictors: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch) -> _Stream:
+        width = batch.prompt_width
+        rows = batch.input_ids.tolist()
+        prompt_mask = batch.attention_mask[:, :width].tolist()
+        lengths = batch.response_mask.sum(-1).long().tolist()
+        stream, prompts = cls(), {}
+        for row, real in zip(rows, prompt_mask, strict=True):
+            tokens = tuple(t for t, keep in zip(row[:width], real, strict=True) if keep)
+            stream.group.append(prompts.setdefault(tokens, len(prompts)))
+        for tokens in prompts:
+            stream.prompt_starts.append(len(stream.ids))
+            stream.prompt_lens.append(len(tokens))
+            stream.ids += tokens
+            stream.positions += range(len(tokens))
+        for row, unit, length in zip(rows, stream.group, lengths, strict=True):
+            inputs = row[width : width + max(length - 1, 0)]  # the last token predicts nothing
+            start, prompt_len = len(stream.ids), stream.prompt_lens[unit]
+            stream.response_starts.append(start)
+            stream.response_lens.append(len(inputs))
+            stream.ids += inputs
+            stream.positions += range(prompt_len, prompt_len + len(inputs))
+            if length > 0:  # the prompt's last token predicts the first response token
+                last = stream.prompt_starts[unit] + prompt_len - 1
+                stream.predictors += [last, *range(start, start + len(inputs))]
+        return stream
 
 
 def _padded(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

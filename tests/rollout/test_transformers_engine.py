@@ -294,13 +294,15 @@ def test_sample_categorical_draws_the_given_distribution():
     assert torch.equal(tokens, again)
 
 
-def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf():
-    """Across blocks (a vocabulary that is not a multiple of the block, masked tokens, rows
-    whose mass sits in one block), the two-level inversion draws the token that one float64
-    running sum over the whole vocabulary gives for the same uniform; masked tokens never."""
+@pytest.mark.parametrize("extra", [77, -128], ids=["padded", "half-blocks"])
+def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf(extra):
+    """Across blocks (a vocabulary that no block size divides, or one that half blocks do;
+    masked tokens, rows whose mass sits in one block), the two-level inversion draws the token
+    that one float64 running sum over the whole vocabulary gives for the same uniform; masked
+    tokens never."""
     from honing.rollout.transformers_engine import SAMPLE_BLOCK, sample_categorical
 
-    vocab = SAMPLE_BLOCK * 3 + 77
+    vocab = SAMPLE_BLOCK * 4 + extra
     gen = torch.Generator().manual_seed(3)
     probs = torch.rand(4000, vocab, generator=gen) ** 8  # peaked, like a trained model
     probs[:, SAMPLE_BLOCK - 5 : SAMPLE_BLOCK + 5] = 0  # masked across a block boundary

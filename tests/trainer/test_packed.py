@@ -9,36 +9,15 @@ the repo's micro Llama.
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer import packed
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.packed import packed_layout, packed_supported
 from honing.types import Rollout
+from tests.rollout.test_fast_decode import qwen2
 
 CPU = torch.device("cpu")
-
-
-def qwen2(vocab: int, pad: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=pad,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: make them matter
-        for name, param in model.named_parameters():
-            if "bias" in name or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    return model
 
 
 @pytest.fixture(params=["math", "sdpa"])
@@ -55,7 +34,7 @@ def model(request, micro_model_dir):
     tokenizer = load_tokenizer(micro_model_dir)
     if request.param == "llama":
         return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
-    return qwen2(len(tokenizer), tokenizer.pad_token_id)
+    return qwen2(tokenizer)  # q/k/v biases, grouped-query attention, non-trivial norms
 
 
 def grpo_like_batch(vocab: int, pad: int):
