@@ -60,8 +60,10 @@ class PackedLayout:
             (U rows), then a row's response inputs (B rows); Q = max(Pm, Rm).
         key_slots: [U + B, Pm + Rm] their keys: the prompt (and nothing), or the row's
             group's prompt then its response inputs.
-        bias: [U + B, 1, 1, Q, Pm + Rm] additive attention mask (0 or -inf): causal, real
-            keys only; a padding query sees key 0 (no empty softmax; its output is dropped).
+        sees: [U + B, 1, Q, Pm + Rm] which keys a query attends to: causal, real keys only;
+            a padding query sees key 0 (no empty softmax; its output is dropped). Boolean,
+            as scaled_dot_product_attention takes it; ``additive`` makes the 0 / -inf form.
+        dtype: the model's dtype (of the additive form).
         unpad: [N] where each flat token's attention output sits in the [U + B, Q] block.
         predictors: [T] the flat token whose hidden state predicts each real response token
             (row-major, as ``response_mask`` orders them).
@@ -71,9 +73,18 @@ class PackedLayout:
     positions: torch.Tensor
     query_slots: torch.Tensor
     key_slots: torch.Tensor
-    bias: torch.Tensor
+    sees: torch.Tensor
+    dtype: torch.dtype
     unpad: torch.Tensor
     predictors: torch.Tensor
+    _additive: torch.Tensor | None = None
+
+    def additive(self) -> torch.Tensor:
+        """``sees`` as 0 / -inf in the model dtype, [U + B, 1, 1, Q, K] (made once)."""
+        if self._additive is None:
+            bias = torch.zeros(self.sees.shape, dtype=self.dtype, device=self.sees.device)
+            self._additive = bias.masked_fill_(~self.sees, float("-inf"))[:, :, None]
+        return self._additive
 
 
 def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayout:
@@ -127,7 +138,8 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
         positions=torch.tensor(stream.positions, dtype=torch.long, **to),
         query_slots=query_index.to(**to),
         key_slots=key_index.to(**to),
-        bias=_bias(sees, dtype).to(**to),
+        sees=sees[:, None].to(**to),
+        dtype=dtype,
         unpad=query_real.flatten().nonzero().squeeze(1).to(**to),
         predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
     )
@@ -187,12 +199,6 @@ def _padded(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.
     return index.masked_fill_(~real, 0), real
 
 
-def _bias(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where a query sees a key, -inf elsewhere; [n, 1, 1, Q, K] to broadcast over heads."""
-    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
-    return bias[:, None, None]
-
-
 def packed_response_logprobs(
     model: nn.Module,
     batch,
@@ -249,7 +255,7 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
         _gather(q, layout.query_slots),
         _gather(k, layout.key_slots),
         _gather(v, layout.key_slots),
-        layout.bias,
+        layout,
         attn.scaling,
     )  # [U + B, Q, H*D]
     out = out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
@@ -280,7 +286,7 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 MATH_ATTENTION_BYTES = 4 << 20
 
 
-def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
+def _block(q, k, v, layout: PackedLayout, scaling: float) -> torch.Tensor:
     """Grouped-query attention of padded blocks: q [n, T, H, D], k/v [n, S, Hkv, D] -> [n, T, H*D].
 
     As HF's attention: query head h reads KV head h // (H / Hkv); scores scaled, masked,
@@ -292,7 +298,7 @@ def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=bias[:, :, 0],  # [n, 1, T, S]
+            attn_mask=layout.sees,  # [n, 1, T, S], boolean: a quarter of a float mask
             scale=scaling,
             enable_gqa=heads != kv_heads,
         )  # [n, H, T, D]
@@ -301,7 +307,7 @@ def _block(q, k, v, bias, scaling: float) -> torch.Tensor:
     q = q.view(n, queries, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, T, D]
     q = q.reshape(n, kv_heads, group * queries, dim)
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scaling  # [n, Hkv, G*T, S]
-    scores = scores.view(n, kv_heads, group, queries, keys) + bias
+    scores = scores.view(n, kv_heads, group, queries, keys) + layout.additive()
     probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype).view(n, kv_heads, -1, keys)
     out = torch.matmul(probs, v.transpose(1, 2)).view(n, kv_heads, group, queries, dim)
     return out.permute(0, 3, 1, 2, 4).reshape(n, queries, heads * dim)
