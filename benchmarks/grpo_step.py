@@ -83,8 +83,8 @@ WORKLOADS = [
 # Left out of the default run (``--full`` adds them), with the reason.
 FULL_ONLY = {
     "m10_t512": "512 new tokens with the 10M model take ~2 min per step on 2 cores for TRL "
-    "(115 s measured) and for honing: one pair of 3-step runs takes ~12 min, which would "
-    "push `make bench` past 25 minutes",
+    "(115-124 s measured): one pair of 3-step runs takes 8-12 min, which would push "
+    "`make bench` past 20 minutes; run it with `--workloads m10_t512 --steps 3`",
 }
 
 
