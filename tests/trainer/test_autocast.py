@@ -33,9 +33,9 @@ def rollouts(tokenizer):
     return out
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_bf16_autocast_logprobs_and_gradients_track_float32(micro_model_dir, monkeypatch, chunked):
-    if chunked:  # force the fused, chunked head on this small vocabulary
+@pytest.mark.parametrize("path", ["plain", "chunked", "packed"])
+def test_bf16_autocast_logprobs_and_gradients_track_float32(micro_model_dir, monkeypatch, path):
+    if path == "chunked":  # force the fused, chunked head on this small vocabulary
         monkeypatch.setattr(batch_module, "HEAD_CHUNK_LOGITS", 64)
     tokenizer = load_tokenizer(micro_model_dir)
     model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
@@ -44,7 +44,7 @@ def test_bf16_autocast_logprobs_and_gradients_track_float32(micro_model_dir, mon
     for dtype in ("none", "bfloat16"):
         model.zero_grad()
         with autocast(dtype, torch.device("cpu")):
-            logprobs, _ = response_logprobs(model, batch)
+            logprobs, _ = response_logprobs(model, batch, packed=path == "packed")
         (logprobs * batch.response_mask).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results.append((logprobs.detach(), grads.clone()))

@@ -124,3 +124,16 @@ def test_unsupported_models_say_why_and_fall_back(model, batch):
         assert torch.equal(fallback, plain)
     finally:
         model.gradient_checkpointing_disable()
+
+
+def test_bfloat16_weights_track_the_models_own_forward(model, batch, attention):
+    """A bfloat16 model (model.dtype=bfloat16): the same operations in bf16, so the two forwards
+    agree to bf16 precision, not exactly (kernels accumulate in different orders)."""
+    half = type(model)(model.config).to(torch.bfloat16).eval()
+    half.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected, _ = response_logprobs(half, batch)
+        packed_logprobs, _ = response_logprobs(half, batch, packed=True)
+    mask = batch.response_mask.bool()
+    assert packed_supported(half) is True
+    assert (packed_logprobs[mask] - expected[mask]).abs().max() < 0.03  # |logprob| ~ 4.5
