@@ -146,7 +146,8 @@ class FastDecoder:
         if len(distinct) == batch:
             rows = None
         else:  # run each distinct prompt once, then give every row its prompt's cache
-            ids, mask, positions = ids[_first(rows)], mask[_first(rows)], positions[_first(rows)]
+            first = _first(rows)
+            ids, mask, positions = ids[first], mask[first], positions[first]
         run = len(ids)
         width = capacity if rows is None else prompt_len  # shared: a prompt-only cache
         self.keys = weight.new_empty((shape[0], run, shape[2], width, shape[4]))
