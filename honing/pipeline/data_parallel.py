@@ -17,6 +17,7 @@ Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``). Not s
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -66,7 +67,7 @@ class Leader:
     def update(self, batch, advantages, settings, old_logprobs, ref_logprobs, seed: int) -> None:
         parts = self.parts
         payload = {
-            "batch": batch,
+            "batch": replace(batch, layouts={}),  # a rank makes its own rows' packed layouts
             "advantages": advantages,
             "old": old_logprobs,
             "ref": ref_logprobs,
