@@ -137,3 +137,36 @@ def test_bfloat16_weights_track_the_models_own_forward(model, batch, attention):
     mask = batch.response_mask.bool()
     assert packed_supported(half) is True
     assert (packed_logprobs[mask] - expected[mask]).abs().max() < 0.03  # |logprob| ~ 4.5
+
+
+def test_on_cuda_the_packed_forward_equals_the_models_own_forward(model, batch):
+    """The same comparison on a GPU (index_select/index_add and SDPA's CUDA kernels)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    gpu_model = type(model)(model.config).to(device).train()
+    gpu_model.load_state_dict(model.state_dict())
+    gpu_batch = collate_on(batch, device)
+    grads = []
+    for packed_path in (False, True):
+        gpu_model.zero_grad(set_to_none=True)
+        logprobs, _ = response_logprobs(gpu_model, gpu_batch, packed=packed_path)
+        (logprobs * gpu_batch.response_mask).sum().backward()
+        grads.append((logprobs.detach(), [p.grad.clone() for p in gpu_model.parameters()]))
+    (expected, expected_grads), (packed_logprobs, packed_grads) = grads
+    mask = gpu_batch.response_mask.bool()
+    torch.testing.assert_close(packed_logprobs[mask], expected[mask], atol=1e-4, rtol=1e-4)
+    for want, got in zip(expected_grads, packed_grads, strict=True):
+        assert (got - want).abs().max() / want.abs().max().clamp(min=1e-6) < 1e-3
+
+
+def collate_on(batch, device: torch.device):
+    """``batch``'s tensors on ``device`` (a fresh batch: no cached layouts)."""
+    from dataclasses import fields, replace
+
+    moved = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return replace(batch, layouts={}, **moved)
