@@ -87,6 +87,32 @@ def supports(model: nn.Module) -> bool | str:
     return True
 
 
+def linear_params(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias; a LoRA layer's active adapters are merged into the weight (a copy: the
+    same output as PEFT's forward up to floating-point reassociation)."""
+    if type(linear) is nn.Linear:
+        return linear.weight, linear.bias
+    base = linear.base_layer
+    weight = base.weight
+    if not linear.disable_adapters and not linear.merged:
+        for name in linear.active_adapters:
+            if name in linear.lora_A:
+                delta = linear.lora_B[name].weight @ linear.lora_A[name].weight
+                weight = weight + delta * linear.scaling[name]
+    return weight, base.bias
+
+
+def fused_linear(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights stacked along the output dimension (a copy, made per call so that
+    weight updates are seen; differentiable); their outputs are the slices of the fused one's."""
+    params = [linear_params(linear) for linear in linears]
+    weight = torch.cat([w for w, _ in params])
+    if all(b is None for _, b in params):
+        return weight, None
+    bias = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in params]
+    return weight, torch.cat(bias)
+
+
 class Norm(NamedTuple):
     weight: torch.Tensor
     eps: float

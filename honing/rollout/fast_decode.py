@@ -29,7 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from honing.models.llama_block import Norm, norm_of, rms_norm, rotary, rotate, supports, unwrap
+from honing.models.llama_block import (
+    Norm,
+    fused_linear,
+    linear_params,
+    norm_of,
+    rms_norm,
+    rotary,
+    rotate,
+    supports,
+    unwrap,
+)
 
 __all__ = ["FastDecoder", "supports", "unwrap"]
 
@@ -47,42 +57,16 @@ class _Layer(NamedTuple):
     down: tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _params(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias; a LoRA layer's active adapters are merged into the weight (a copy made
-    per generation: the same output as PEFT's forward up to floating-point reassociation)."""
-    if type(linear) is nn.Linear:
-        return linear.weight, linear.bias
-    base = linear.base_layer
-    weight = base.weight
-    if not linear.disable_adapters and not linear.merged:
-        for name in linear.active_adapters:
-            if name in linear.lora_A:
-                delta = linear.lora_B[name].weight @ linear.lora_A[name].weight
-                weight = weight + delta * linear.scaling[name]
-    return weight, base.bias
-
-
-def _fused(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The linears' weights stacked along the output dimension (a copy, made per generation so
-    that the trainer's updates are seen); their outputs are the slices of the fused one's."""
-    params = [_params(linear) for linear in linears]
-    weight = torch.cat([w for w, _ in params])
-    if all(b is None for _, b in params):
-        return weight, None
-    bias = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in params]
-    return weight, torch.cat(bias)
-
-
 def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     return _Layer(
         norm_of(layer.input_layernorm),
-        _fused(attn.q_proj, attn.k_proj, attn.v_proj),
+        fused_linear(attn.q_proj, attn.k_proj, attn.v_proj),
         (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
-        _params(attn.o_proj),
+        linear_params(attn.o_proj),
         norm_of(layer.post_attention_layernorm),
-        _fused(mlp.gate_proj, mlp.up_proj),
-        _params(mlp.down_proj),
+        fused_linear(mlp.gate_proj, mlp.up_proj),
+        linear_params(mlp.down_proj),
     )
 
 
@@ -131,7 +115,7 @@ class FastDecoder:
         self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
         self.final_norm = norm_of(inner.norm)
         self.embedding = inner.embed_tokens.weight
-        self.lm_head = _params(self.model.lm_head)
+        self.lm_head = linear_params(self.model.lm_head)
         batch, prompt_len = ids.shape
         weight = inner.embed_tokens.weight
         capacity = prompt_len + max_new_tokens

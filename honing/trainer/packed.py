@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from honing.models.llama_block import norm_of, rms_norm, rotary, rotate, supports, unwrap
+from honing.models.llama_block import (
+    fused_linear,
+    norm_of,
+    rms_norm,
+    rotary,
+    rotate,
+    supports,
+    unwrap,
+)
 from honing.trainer.head import head_logprobs
 
 
@@ -38,13 +46,21 @@ def packed_supported(model: nn.Module) -> bool | str:
     reason = supports(model)
     if reason is not True:
         return reason
-    if getattr(model, "is_gradient_checkpointing", False):
+    if _checkpointing(model):
         return "gradient checkpointing is on"
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return "attention dropout in training"
     if model.lm_head.bias is not None:
         return "the LM head has a bias"
     return True
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Activation checkpointing on? (transformers 5 names it ``is_activation_checkpointing``;
+    reading the older ``is_gradient_checkpointing`` warns on every call.)"""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 @dataclass
@@ -221,7 +237,7 @@ def packed_response_logprobs(
         x = x + _attention(layer, rms_norm(x, norm_of(layer.input_layernorm)), cos, sin, layout)
         h = rms_norm(x, norm_of(layer.post_attention_layernorm))
         mlp = layer.mlp
-        gate, up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])).chunk(2, -1)
+        gate, up = F.linear(h, *fused_linear(mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
         x = x + mlp.down_proj(F.silu(gate) * up)
     hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(inner.norm))  # [T, E]
     real = batch.response_mask.bool()
@@ -243,11 +259,8 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     """One block's self-attention output (after o_proj) for the flat tokens ``h`` [N, E]."""
     attn = layer.self_attn
     dim = attn.head_dim
-    qkv = F.linear(
-        h,
-        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-    ).view(h.shape[0], -1, dim)  # [N, H + 2 Hkv, D]
+    qkv = F.linear(h, *fused_linear(attn.q_proj, attn.k_proj, attn.v_proj))
+    qkv = qkv.view(h.shape[0], -1, dim)  # [N, H + 2 Hkv, D]
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
@@ -260,17 +273,6 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     )  # [U + B, Q, H*D]
     out = out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
     return attn.o_proj(out)  # [N, E]
-
-
-def _fused_bias(*linears: nn.Linear) -> torch.Tensor | None:
-    if all(linear.bias is None for linear in linears):
-        return None
-    return torch.cat(
-        [
-            linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-            for linear in linears
-        ]
-    )
 
 
 def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
