@@ -88,7 +88,7 @@ def make_experience(
             else:  # LoRA: the reference is the base model, the policy with adapters off
                 with parts.policy.disable_adapter():
                     ref_logprobs, _ = response_logprobs(
-                        parts.policy, batch, temperature=temperature
+                        parts.policy, batch, temperature=temperature, packed=packed
                     )
             metrics["timing_s/ref"] = time.perf_counter() - started
         old_values = parts.critic(batch) if parts.critic is not None else None

@@ -14,9 +14,9 @@ and are summed there, as the padded forward sums them over identical copies.
 
 It is the Hugging Face forward's arithmetic (``honing.models.llama_block``), so logprobs,
 entropies and gradients equal those of ``model(...)`` up to floating-point reassociation
-(tests/trainer/test_packed.py compares them). Models the lean block does not cover, LoRA
-wrappers, gradient checkpointing and attention dropout in training fall back to the model's
-own forward (``packed_supported`` says why).
+(tests/trainer/test_packed.py compares them, LoRA adapters included). Models the lean block
+does not cover, gradient checkpointing, and attention or LoRA dropout in training fall back to
+the model's own forward (``packed_supported`` says why).
 """
 
 from __future__ import annotations
@@ -40,17 +40,23 @@ from honing.trainer.head import head_logprobs
 
 
 def packed_supported(model: nn.Module) -> bool | str:
-    """True when the packed forward computes exactly what ``model``'s forward does."""
-    if unwrap(model) is not model:
-        return "a PEFT (LoRA) wrapper"
+    """True when the packed forward computes exactly what ``model``'s forward does (a LoRA
+    wrapper included: the adapters enter as merged q/k/v and gate/up matrices, through which
+    their gradients flow, and through the o/down layers' own forward)."""
     reason = supports(model)
     if reason is not True:
         return reason
-    if _checkpointing(model):
+    base = unwrap(model)
+    if _checkpointing(base):
         return "gradient checkpointing is on"
-    if model.training and getattr(model.config, "attention_dropout", 0.0):
+    if model.training and getattr(base.config, "attention_dropout", 0.0):
         return "attention dropout in training"
-    if model.lm_head.bias is not None:
+    if model.training and any(
+        getattr(adapter, "lora_dropout", 0.0)
+        for adapter in getattr(model, "peft_config", {}).values()
+    ):
+        return "LoRA dropout in training"
+    if base.lm_head.bias is not None:
         return "the LM head has a bias"
     return True
 
@@ -226,6 +232,7 @@ def packed_response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``response_logprobs`` through the packed forward: [B, R] logprobs (and entropy), 0 at
     padding. ``model`` must pass ``packed_supported``."""
+    model = unwrap(model)
     inner = model.model
     weight = inner.embed_tokens.weight
     key = (weight.device, weight.dtype)

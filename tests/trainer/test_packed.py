@@ -126,6 +126,60 @@ def test_unsupported_models_say_why_and_fall_back(model, batch):
         model.gradient_checkpointing_disable()
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_wrapped(model, dropout: float = 0.0):
+    """A copy of ``model`` with rank-4 LoRA adapters on every projection, their B matrices
+    random (PEFT starts them at 0, which would make the adapters a no-op)."""
+    peft = pytest.importorskip("peft")
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS)
+    wrapped = peft.get_peft_model(copy, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return wrapped
+
+
+def test_lora_adapters_match_pefts_own_forward(model, batch, attention):
+    """The adapters enter the packed forward merged into q/k/v and gate/up and through the
+    o/down layers' PEFT forward: the same logprobs, and the same adapter gradients."""
+    wrapped = lora_wrapped(model).train()
+    assert packed_supported(wrapped) is True
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(4))
+
+    def run(packed: bool):
+        wrapped.zero_grad(set_to_none=True)
+        logprobs, _ = response_logprobs(wrapped, batch, packed=packed)
+        (logprobs * weights * batch.response_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
+        return logprobs.detach(), grads
+
+    (expected, expected_grads), (packed_logprobs, packed_grads) = run(False), run(True)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(packed_logprobs[mask], expected[mask], atol=2e-5, rtol=1e-5)
+    assert expected_grads.keys() == packed_grads.keys()
+    assert expected_grads and all("lora_" in name for name in expected_grads)
+    for name, grad in expected_grads.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        assert (packed_grads[name] - grad).abs().max() / scale < 1e-4, name
+    with torch.no_grad(), wrapped.disable_adapter():  # the reference: the base, adapters off
+        base, _ = response_logprobs(wrapped, batch, packed=True)
+        plain, _ = response_logprobs(model, batch)
+    torch.testing.assert_close(base[mask], plain[mask], atol=2e-5, rtol=1e-5)
+    assert (base[mask] - packed_logprobs[mask]).abs().max() > 1e-3  # the adapters mattered
+
+
+def test_lora_dropout_in_training_falls_back(model):
+    wrapped = lora_wrapped(model, dropout=0.1)
+    assert packed_supported(wrapped.train()) == "LoRA dropout in training"
+    assert packed_supported(wrapped.eval()) is True  # no dropout in eval: the same numbers
+
+
 def test_bfloat16_weights_track_the_models_own_forward(model, batch, attention):
     """A bfloat16 model (model.dtype=bfloat16): the same operations in bf16, so the two forwards
     agree to bf16 precision, not exactly (kernels accumulate in different orders)."""
