@@ -20,12 +20,14 @@ from tests.rollout.test_fast_decode import qwen2
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(params=["math", "sdpa"])
-def attention(request, monkeypatch):
-    """Both attention paths: matmuls + softmax, and scaled_dot_product_attention (long
-    responses), forced here by the threshold."""
-    if request.param == "sdpa":
+@pytest.fixture(params=["small", "large"])
+def path(request, monkeypatch):
+    """Both paths: small (matmuls + softmax attention, q/k/v and gate/up as one stacked
+    matmul each) and large (scaled_dot_product_attention, as long responses take, and each
+    projection on its own weight, as big models take), forced here by the thresholds."""
+    if request.param == "large":
         monkeypatch.setattr(packed, "MATH_ATTENTION_BYTES", 0)
+        monkeypatch.setattr(packed, "FUSE_BYTES", 0)
     return request.param
 
 
@@ -77,7 +79,7 @@ def test_the_layout_runs_each_prompt_once_and_no_padding(batch):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, temperature, attention):
+def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, temperature, path):
     model.eval()
     with torch.no_grad():
         expected, expected_entropy = response_logprobs(
@@ -92,7 +94,7 @@ def test_logprobs_and_entropy_equal_the_models_own_forward(model, batch, tempera
     assert torch.all(packed[~mask] == 0) and torch.all(entropy[~mask] == 0)
 
 
-def test_gradients_equal_the_models_own_forward(model, batch, attention):
+def test_gradients_equal_the_models_own_forward(model, batch, path):
     model.train()
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
 
@@ -145,7 +147,7 @@ def lora_wrapped(model, dropout: float = 0.0):
     return wrapped
 
 
-def test_lora_adapters_match_pefts_own_forward(model, batch, attention):
+def test_lora_adapters_match_pefts_own_forward(model, batch, path):
     """The adapters enter the packed forward merged into q/k/v and gate/up and through the
     o/down layers' PEFT forward: the same logprobs, and the same adapter gradients."""
     wrapped = lora_wrapped(model).train()
@@ -180,7 +182,7 @@ def test_lora_dropout_in_training_falls_back(model):
     assert packed_supported(wrapped.eval()) is True  # no dropout in eval: the same numbers
 
 
-def test_bfloat16_weights_track_the_models_own_forward(model, batch, attention):
+def test_bfloat16_weights_track_the_models_own_forward(model, batch, path):
     """A bfloat16 model (model.dtype=bfloat16): the same operations in bf16, so the two forwards
     agree to bf16 precision, not exactly (kernels accumulate in different orders)."""
     half = type(model)(model.config).to(torch.bfloat16).eval()
