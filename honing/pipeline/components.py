@@ -36,6 +36,7 @@ from honing.rollout.base import RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
 from honing.trainer.optim import build_optimizer
+from honing.trainer.packed import packed_supported
 from honing.trainer.update import UpdateSettings
 from honing.types import Prompt
 
@@ -293,10 +294,13 @@ def build_components(config: Config, log=print) -> Components:
     policy = load_causal_lm(
         model_path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
     )
-    if m.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+    if m.gradient_checkpointing:  # transformers 5 renamed it; the old name warns (gone in 6)
+        enable = getattr(policy, "activation_checkpointing_enable", None)
+        (enable or policy.gradient_checkpointing_enable)()
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
+    if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
+        log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
         reference = frozen_model(model_path, tokenizer, config, device)

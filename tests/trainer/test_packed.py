@@ -117,7 +117,7 @@ def test_gradients_equal_the_models_own_forward(model, batch, path):
 
 def test_unsupported_models_say_why_and_fall_back(model, batch):
     assert packed_supported(model) is True
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     try:
         assert packed_supported(model) == "gradient checkpointing is on"
         with torch.no_grad():  # falls back to the model's forward: same numbers
@@ -125,7 +125,7 @@ def test_unsupported_models_say_why_and_fall_back(model, batch):
             plain, _ = response_logprobs(model, batch)
         assert torch.equal(fallback, plain)
     finally:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
