@@ -334,6 +334,9 @@ def build_components(config: Config, log=print) -> Components:
         min_ratio=t.min_lr_ratio,
     )
     local = local_engine(config, policy, tokenizer, device)
+    if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
+        reason = local.fast_decode_reason
+        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     mtp = local.speculation.draft_model if rollout.speculative == "mtp" else None
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     parts = Components(

@@ -1,5 +1,5 @@
-"""model.gradient_checkpointing=true: activations recomputed in the backward pass, the same
-training (the logprob passes leave the packed forward for the model's own, and say so)."""
+"""When a lean path does not apply (the packed logprob forward under gradient checkpointing, both
+fast paths for a non-Llama model), the run trains as it would otherwise and says why."""
 
 import json
 
@@ -35,3 +35,23 @@ def test_checkpointing_trains_as_without_it(tmp_path, micro_model_dir, digit_rew
         assert a["step"] == b["step"]
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+def test_a_non_llama_policy_trains_and_says_which_lean_paths_it_skips(
+    tmp_path, micro_model_dir, digit_reward
+):
+    from honing.models.loading import load_tokenizer, save_model
+    from tests.rollout.test_fast_decode import gpt2
+
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = gpt2(tokenizer)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    save_model(model, tokenizer, tmp_path / "gpt2")
+    config = small_run_config(
+        tmp_path / "gpt2", digit_reward, **{"trainer.total_steps": 2, "trainer.val_at_start": False}
+    )
+    logged = []
+    train(config, tmp_path / "run", log=logged.append)
+    for key in ("rollout.fast_decode", "trainer.packed_forward"):
+        assert any(line.startswith(key) and "not Llama-family" in line for line in logged), logged
+    assert len(step_metrics(tmp_path / "run")) == 2
