@@ -113,6 +113,38 @@ def fused_linear(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, torch.cat(bias)
 
 
+# Up to this many bytes of weights, linears that read the same input (q/k/v, gate/up) run as
+# one matmul over a stacked copy of their weights (LoRA merged in): on CPU-sized models the
+# number of operations is the cost. Above it each runs on its own weights, by its own forward:
+# copies of big weights would cost memory (for a 7B model, ~60% of its weights for the
+# stacks, all of them for LoRA merges; in training the copies are kept for the backward).
+FUSE_BYTES = 4 << 20
+
+# A projection: (weight, bias) to multiply by, or the modules to call, in output order.
+Projection = tuple[torch.Tensor, torch.Tensor | None] | tuple[nn.Module, ...]
+
+
+def projection(*linears: nn.Module) -> Projection:
+    """``linears`` (reading one input) made ready for ``project``: one plain ``nn.Linear`` is
+    its own weight (no copy); small ones are stacked (``fused_linear``); big ones stay
+    modules."""
+    if len(linears) == 1 and type(linears[0]) is nn.Linear:
+        return linear_params(linears[0])
+    weights = [getattr(linear, "base_layer", linear).weight for linear in linears]
+    if sum(w.numel() * w.element_size() for w in weights) <= FUSE_BYTES:
+        return fused_linear(*linears)
+    return linears
+
+
+def project(h: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """``h`` through a ``projection``: the outputs side by side [..., sum of outputs]."""
+    if isinstance(projection[0], torch.Tensor):
+        return F.linear(h, *projection)
+    if len(projection) == 1:
+        return projection[0](h)
+    return torch.cat([module(h) for module in projection], -1)
+
+
 class Norm(NamedTuple):
     weight: torch.Tensor
     eps: float

@@ -8,15 +8,16 @@ each, ``scaled_dot_product_attention`` for the prompt and two batched matmuls fo
 token's attention (the fused CPU kernel is slower for a single query), and nothing else.
 
 What is supported: ``honing.models.llama_block.supports`` says (Llama-family blocks in
-float32/bfloat16/float16; LoRA layers are merged per generation; anything else falls back).
+float32/bfloat16/float16; small LoRA layers are merged per generation, big ones run by PEFT's
+own forward; anything else falls back).
 
 Why it is exact: every operation is the one the Hugging Face modules run, in the same order and
 dtype: RMSNorm in float32 cast back before the weight, cos/sin computed in float32 from the
 model's own ``inv_freq`` buffer and cast to the model dtype, ``rotate_half`` rotary, attention
 with scale ``head_dim ** -0.5`` over the same keys (left padding masked out), the SiLU-gated
-MLP. The weights are read from the module at each ``prefill`` (the fused q/k/v and gate/up
-matrices are copied then, the others used as they are), so a weight update by the trainer is
-seen by the next generation; the copies cost the memory of those matrices during generation.
+MLP. The weights are read from the module at each ``prefill`` (q/k/v and gate/up stacked
+into one matrix each, a copy, while under ``llama_block.FUSE_BYTES``; bigger ones and the
+others used as they are), so a weight update by the trainer is seen by the next generation.
 Results differ from the HF forward only by floating-point reassociation inside kernels (~1e-7
 in float32).
 """
@@ -31,9 +32,11 @@ from torch import nn
 
 from honing.models.llama_block import (
     Norm,
-    fused_linear,
+    Projection,
     linear_params,
     norm_of,
+    project,
+    projection,
     rms_norm,
     rotary,
     rotate,
@@ -45,28 +48,29 @@ __all__ = ["FastDecoder", "supports", "unwrap"]
 
 
 class _Layer(NamedTuple):
-    """One decoder block's weights for one generation: q/k/v and gate/up fused into one
-    matrix each (one matmul instead of three and two; biases may be None)."""
+    """One decoder block's projections for one generation (``llama_block.projection``):
+    q/k/v and gate/up stacked into one matrix each while small (one matmul instead of three
+    and two), big ones run by their modules."""
 
     input_norm: Norm
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: Projection
     qkv_sizes: tuple[int, int, int]
-    o: tuple[torch.Tensor, torch.Tensor | None]
+    o: Projection
     post_norm: Norm
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: Projection
+    down: Projection
 
 
 def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     return _Layer(
         norm_of(layer.input_layernorm),
-        fused_linear(attn.q_proj, attn.k_proj, attn.v_proj),
+        projection(attn.q_proj, attn.k_proj, attn.v_proj),
         (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
-        linear_params(attn.o_proj),
+        projection(attn.o_proj),
         norm_of(layer.post_attention_layernorm),
-        fused_linear(mlp.gate_proj, mlp.up_proj),
-        linear_params(mlp.down_proj),
+        projection(mlp.gate_proj, mlp.up_proj),
+        projection(mlp.down_proj),
     )
 
 
@@ -76,12 +80,12 @@ def _first(rows: torch.Tensor) -> torch.Tensor:
     return first.scatter_reduce(0, rows, torch.arange(len(rows), device=rows.device), "amin")
 
 
-def _residual(x: torch.Tensor, h: torch.Tensor, linear) -> torch.Tensor:
-    """``x + linear(h)`` as one ``addmm`` when the linear has no bias ([B, E] rows)."""
-    weight, bias = linear
-    if bias is not None:
-        return x + F.linear(h, weight, bias)
-    return torch.addmm(x, h, weight.t())
+def _residual(x: torch.Tensor, h: torch.Tensor, linear: Projection) -> torch.Tensor:
+    """``x + linear(h)``, as one ``addmm`` for a weight without bias ([B, E] rows)."""
+    weight, bias = linear[0], linear[-1]
+    if isinstance(weight, torch.Tensor) and bias is None:
+        return torch.addmm(x, h, weight.t())
+    return x + project(h, linear)
 
 
 class FastDecoder:
@@ -166,7 +170,7 @@ class FastDecoder:
         bias.masked_fill_(~self.valid[:, None, None, :end], float("-inf"))
         bias = bias.view(batch * kv_heads, 1, end)  # [B*Hkv, 1, S]
         for number, layer in enumerate(self.layers):
-            qkv = F.linear(rms_norm(x, layer.input_norm), *layer.qkv).view(batch, -1, dim)
+            qkv = project(rms_norm(x, layer.input_norm), layer.qkv).view(batch, -1, dim)
             qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # [B, H + Hkv, D]
             self.keys[number, :, :, slot] = qk[:, heads:]
             self.values[number, :, :, slot] = qkv[:, heads + kv_heads :]
@@ -176,7 +180,7 @@ class FastDecoder:
             scores = torch.baddbmm(bias, query, keys.transpose(1, 2), alpha=self.scaling)
             out = torch.bmm(scores.softmax(-1), values).view(batch, heads * dim)  # [B, H*D]
             x = _residual(x, out, layer.o)
-            gate, up = F.linear(rms_norm(x, layer.post_norm), *layer.gate_up).chunk(2, dim=-1)
+            gate, up = project(rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
             x = _residual(x, F.silu(gate) * up, layer.down)
         self.length = end
         last = rms_norm(x, self.final_norm)
@@ -219,7 +223,7 @@ class FastDecoder:
             h = rms_norm(x, layer.input_norm)
             q, k, v = (
                 part.view(batch, width, -1, self.head_dim).transpose(1, 2)
-                for part in F.linear(h, *layer.qkv).split(layer.qkv_sizes, dim=-1)
+                for part in project(h, layer.qkv).split(layer.qkv_sizes, dim=-1)
             )  # [B, H or Hkv, T, D]
             q = rotate(q, cos, sin)
             self.keys[index, :, :, start:end] = rotate(k, cos, sin)
@@ -236,10 +240,10 @@ class FastDecoder:
                     scale=self.scaling,
                     enable_gqa=self.heads != self.kv_heads,
                 )  # [B, H, T, D]
-            x = x + F.linear(out.transpose(1, 2).reshape(batch, width, -1), *layer.o)
+            x = x + project(out.transpose(1, 2).reshape(batch, width, -1), layer.o)
             h = rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, *layer.down)
+            gate, up = project(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + project(F.silu(gate) * up, layer.down)
         self.length = end
         if every_position:
             normed = rms_norm(x, self.final_norm)  # [B, T, E]

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from honing.models.llama_block import (
-    fused_linear,
     norm_of,
+    project,
+    projection,
     rms_norm,
     rotary,
     rotate,
@@ -244,7 +245,7 @@ def packed_response_logprobs(
         x = x + _attention(layer, rms_norm(x, norm_of(layer.input_layernorm)), cos, sin, layout)
         h = rms_norm(x, norm_of(layer.post_attention_layernorm))
         mlp = layer.mlp
-        gate, up = _project(h, mlp.gate_proj, mlp.up_proj).chunk(2, -1)
+        gate, up = project(h, projection(mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
         x = x + mlp.down_proj(F.silu(gate) * up)
     hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(inner.norm))  # [T, E]
     real = batch.response_mask.bool()
@@ -266,7 +267,7 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     """One block's self-attention output (after o_proj) for the flat tokens ``h`` [N, E]."""
     attn = layer.self_attn
     dim = attn.head_dim
-    qkv = _project(h, attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv = project(h, projection(attn.q_proj, attn.k_proj, attn.v_proj))
     qkv = qkv.view(h.shape[0], -1, dim)  # [N, H + 2 Hkv, D]
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
@@ -280,21 +281,6 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     )  # [U + B, Q, H*D]
     out = out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
     return attn.o_proj(out)  # [N, E]
-
-
-# Up to this many bytes of weights, projections that read the same input (q/k/v, gate/up)
-# run as one matmul over a stacked copy of their weights: on CPU-sized models the number of
-# operations is the cost. Above it, each runs on its own weight: the stacked copy would be
-# kept for the backward pass (for Qwen2-0.5B, 0.5 GiB in bf16; for a 7B LoRA run, ~9 GiB).
-FUSE_BYTES = 4 << 20
-
-
-def _project(h: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
-    """``h`` [N, E] through ``linears``, their outputs side by side [N, sum of outputs]."""
-    weights = [getattr(linear, "base_layer", linear).weight for linear in linears]
-    if sum(w.numel() * w.element_size() for w in weights) <= FUSE_BYTES:
-        return F.linear(h, *fused_linear(*linears))
-    return torch.cat([linear(h) for linear in linears], -1)  # PEFT layers: their own forward
 
 
 def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

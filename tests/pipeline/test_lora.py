@@ -10,6 +10,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 from honing.errors import ConfigError  # noqa: E402
+from honing.models import llama_block  # noqa: E402
 from honing.models.loading import apply_lora, load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline.components import build_components  # noqa: E402
 from honing.pipeline.run import train  # noqa: E402
@@ -70,7 +71,11 @@ def test_a_lora_run_resumes_as_it_would_have_continued(tmp_path, micro_model_dir
         assert [m[key] for m in a][2:] == [m[key] for m in b if m["step"] > 2][-2:], key
 
 
-def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir):
+@pytest.mark.parametrize("fuse_bytes", [4 << 20, 0], ids=["merged", "peft-forward"])
+def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir, fuse_bytes, monkeypatch):
+    """Small adapted layers are merged into the decoder's matrices; big ones (forced here)
+    run by PEFT's own forward: either way, the adapted policy's logits."""
+    monkeypatch.setattr(llama_block, "FUSE_BYTES", fuse_bytes)
     tokenizer = load_tokenizer(micro_model_dir)
     model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
     model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj", "down_proj"]).eval()

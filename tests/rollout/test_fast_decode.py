@@ -16,6 +16,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from honing.models import llama_block
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.fast_decode import FastDecoder, supports
@@ -64,8 +65,17 @@ def left_padded(tokenizer, prompts=PROMPTS):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+@pytest.fixture(params=["stacked", "separate"])
+def weights(request, monkeypatch):
+    """q/k/v and gate/up stacked into one matrix each (small models), or each projection on
+    its own weights (big models; forced here by the threshold)."""
+    if request.param == "separate":
+        monkeypatch.setattr(llama_block, "FUSE_BYTES", 0)
+    return request.param
+
+
 @torch.no_grad()
-def test_prefill_and_decode_logits_equal_the_hf_forward(model, tokenizer):
+def test_prefill_and_decode_logits_equal_the_hf_forward(model, tokenizer, weights):
     assert supports(model) is True
     ids, mask, positions = left_padded(tokenizer)
     fast, hf = FastDecoder(model), _HFDecoder(model, "cache")
@@ -98,7 +108,7 @@ def generate_both(model, tokenizer, params):
     ],
     ids=["greedy", "sampled", "filtered"],
 )
-def test_generation_is_token_identical_to_the_hf_path(model, tokenizer, params):
+def test_generation_is_token_identical_to_the_hf_path(model, tokenizer, params, weights):
     fast, hf = generate_both(model, tokenizer, params)
     assert [r.response_ids for r in fast] == [r.response_ids for r in hf]
     assert [r.finish_reason for r in fast] == [r.finish_reason for r in hf]

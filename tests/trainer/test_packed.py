@@ -10,6 +10,7 @@ the repo's micro Llama.
 import pytest
 import torch
 
+from honing.models import llama_block
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer import packed
 from honing.trainer.batch import collate, response_logprobs
@@ -27,7 +28,7 @@ def path(request, monkeypatch):
     projection on its own weight, as big models take), forced here by the thresholds."""
     if request.param == "large":
         monkeypatch.setattr(packed, "MATH_ATTENTION_BYTES", 0)
-        monkeypatch.setattr(packed, "FUSE_BYTES", 0)
+        monkeypatch.setattr(llama_block, "FUSE_BYTES", 0)
     return request.param
 
 
