@@ -6,6 +6,8 @@ Two lean paths skip the Hugging Face module forward for the same maths with less
 no padding). Both compute exactly what the HF forward computes, operation for operation, so
 they must agree on which models qualify (``supports``) and on the three pieces of the block
 that HF spells in its own way: RMSNorm in float32, the rotary tables and ``rotate_half``.
+They also share how projections reading one input are run (``projection`` / ``project``):
+stacked into one matmul while small, on their own weights when big.
 
 What qualifies: the transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and
 ``MistralForCausalLM`` classes (not ``trust_remote_code`` ones) whose blocks are exactly
