@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-STAGES = ("gen", "reward", "ref", "old", "update", "rest")
+STAGES = ("gen", "reward", "ref", "old", "update", "sync", "rest")
 
 
 def _spread(low_high: list[float]) -> str:
@@ -112,7 +112,10 @@ def write_markdown(report: dict, path: Path) -> str:
         "",
         "gen: generation; ref: reference logprobs; old: pre-update logprobs (honing skips them "
         "when a batch is used once); update: policy forward + loss + backward + optimizer; "
-        "rest: the step less those (collation, advantages, logging, TRL's tokenisation).",
+        "sync: the new weights to the engines (honing's in-process engine shares the policy "
+        "module; TRL generates with the trained module itself; – where a run predates the "
+        "metric); rest: the step less those (collation, advantages, logging, TRL's "
+        "tokenisation).",
         "",
         *_stage_rows(report),
         "",

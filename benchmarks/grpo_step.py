@@ -209,6 +209,7 @@ def run_honing(work: Workload, model_dir: Path, data: dict, run_dir: Path, threa
         interval = record["time"] - previous["time"] - record.get("timing_s/val", 0.0)
         stage = {k: record.get(f"timing_s/{k}", 0.0) for k in ("gen", "reward", "ref", "update")}
         stage["old"] = record.get("timing_s/old", 0.0)
+        stage["sync"] = record.get("timing_s/sync", 0.0)
         stage["rest"] = interval - sum(stage.values())
         steps.append(interval)
         stages.append(stage)

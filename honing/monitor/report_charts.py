@@ -36,7 +36,7 @@ HEAT_COLUMNS, HEAT_BINS = 60, 12
 MAX_MARKS = 100
 # Event kinds that deserve a red badge, a highlighted row and a mark on every chart.
 ATTENTION = {"alert", "rollback", "rollback_refused", "stop", "stopped", "crash", "webhook_failed"}
-TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update")
+TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update", "sync")
 
 
 @dataclass

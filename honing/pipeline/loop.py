@@ -233,6 +233,7 @@ class TrainLoop:
         self._check_accounting(step, metrics)
         if parts.critic is None or step > cfg.trainer.critic_warmup_steps:
             parts.scheduler.step()  # the policy's schedule starts when the policy does
+        t_sync = time.perf_counter()
         if self.producer is None:
             send_weights(parts, step)
         else:  # the producer's engine gets them on its own thread
@@ -240,6 +241,7 @@ class TrainLoop:
             weights = {k: v.detach().clone() for k, v in parts.policy.state_dict().items()}
             self.producer.publish(step, weights)
         t_end = time.perf_counter()
+        metrics["timing_s/sync"] = t_end - t_sync  # ~0 when the engine shares the module
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in got.rollouts)
         metrics |= {
             "timing_s/gen": got.gen_seconds,

@@ -49,6 +49,13 @@ def test_short_run_succeeds_and_summarises(first_run):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["pass_at_k_key"] == "val/pass@2"
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    # Where each step's time went: every stage of the sync loop, and tokens per second.
+    steps = [m for m in map(json.loads, (out / "metrics.jsonl").open()) if m["step"] > 0]
+    stages = ("gen", "reward", "prepare", "update", "sync", "step")
+    for m in steps:
+        assert all(m[f"timing_s/{stage}"] >= 0 for stage in stages), m
+        assert m["timing_s/step"] >= m["timing_s/gen"] + m["timing_s/update"]
+        assert m["perf/throughput"] > 0
 
 
 def test_same_seed_same_metrics(first_run, micro_model_dir, digit_reward, tmp_path):
