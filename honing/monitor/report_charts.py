@@ -36,7 +36,9 @@ HEAT_COLUMNS, HEAT_BINS = 60, 12
 MAX_MARKS = 100
 # Event kinds that deserve a red badge, a highlighted row and a mark on every chart.
 ATTENTION = {"alert", "rollback", "rollback_refused", "stop", "stopped", "crash", "webhook_failed"}
-TIMING_PARTS = ("gen", "reward", "ref", "values", "prepare", "update", "sync")
+# Stages of a step, stacked in the timing chart. ``prepare`` (make_experience) contains the
+# ``ref`` and ``old`` logprob passes: the chart stacks what is left of it.
+TIMING_PARTS = ("gen", "reward", "ref", "old", "prepare", "update", "sync")
 
 
 @dataclass
@@ -252,12 +254,27 @@ def length_distribution_chart(run: RunData) -> Chart:
     return Chart(title, svg, (("share of samples", PALETTE[0], 1.0),), "", caption)
 
 
-def timing_chart(run: RunData) -> Chart:
-    """Stacked stage times with the whole step's time as a line (the gap is everything else)."""
-    stacked, bands = {}, []
+def stage_times(run: RunData) -> dict[str, dict[float, float | None]]:
+    """Each logged stage's seconds by step, as the timing chart stacks them (``prepare`` less
+    the passes it contains, so that no second is drawn twice)."""
+    stacked = {}
     for part in TIMING_PARTS:
         if run.has(f"timing_s/{part}"):
             stacked[part] = dict(run.series(f"timing_s/{part}"))
+    if "prepare" in stacked:
+        inner = [stacked[part] for part in ("ref", "old") if part in stacked]
+        stacked["prepare"] = {
+            step: None
+            if value is None
+            else max(0.0, value - sum(p.get(step) or 0.0 for p in inner))
+            for step, value in stacked["prepare"].items()
+        }
+    return stacked
+
+
+def timing_chart(run: RunData) -> Chart:
+    """Stacked stage times with the whole step's time as a line (the gap is everything else)."""
+    stacked, bands = stage_times(run), []
     steps = sorted({step for values in stacked.values() for step in values})
     base = dict.fromkeys(steps, 0.0)
     for i, (part, values) in enumerate(stacked.items()):

@@ -4,12 +4,14 @@ import json
 import math
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 from honing.errors import UserError
 from honing.monitor.plots import MAX_POINTS, downsample, format_number, nice_ticks
 from honing.monitor.report import REPORT_FILE, report_main, write_report
+from honing.monitor.report_charts import RunData, stage_times
 from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
@@ -256,3 +258,14 @@ def test_downsample_averages_buckets_and_keeps_gaps():
     ]
     assert downsample(points, max_points=10)[2] == (3.0, None, None, None)
     assert math.isclose(downsample([(s, float(s)) for s in range(1000)], 10)[0][1], 49.5)
+
+
+def test_the_timing_chart_draws_each_second_once():
+    """``prepare`` contains the reference and old-logprob passes: stacked, it counts only the
+    rest of itself, so the stack never exceeds the step it explains."""
+    record = {"step": 1, "timing_s/gen": 0.4, "timing_s/ref": 0.2, "timing_s/old": 0.1}
+    record |= {"timing_s/prepare": 0.35, "timing_s/update": 0.3, "timing_s/sync": 0.0}
+    record |= {"timing_s/step": 1.1}
+    stages = stage_times(RunData(Path("."), [record], [], []))
+    assert stages["prepare"] == {1: pytest.approx(0.05)}
+    assert sum(values[1] for values in stages.values()) == pytest.approx(1.05)
