@@ -42,8 +42,8 @@ from honing.trainer.head import head_logprobs
 
 def packed_supported(model: nn.Module) -> bool | str:
     """True when the packed forward computes exactly what ``model``'s forward does (a LoRA
-    wrapper included: the adapters enter as merged q/k/v and gate/up matrices, through which
-    their gradients flow, and through the o/down layers' own forward)."""
+    wrapper included: small adapted q/k/v and gate/up enter merged into their stacked matrix,
+    through which the adapters' gradients flow; the others run PEFT's own forward)."""
     reason = supports(model)
     if reason is not True:
         return reason
