@@ -307,7 +307,12 @@ def charts(run: RunData) -> list[Chart]:
         ),
         simple_chart(run, "Gradient norm", ["actor/grad_norm"], y_floor=0.0),
         timing_chart(run),
-        simple_chart(run, "Throughput (tokens/s)", ["perf/throughput"], y_floor=0.0),
+        simple_chart(
+            run,
+            "Throughput (tokens/s)",
+            ["perf/throughput", "perf/gen_tokens_per_s", "perf/train_tokens_per_s"],
+            y_floor=0.0,
+        ),
         simple_chart(
             run,
             "Verifier latency (ms)",

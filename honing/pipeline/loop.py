@@ -249,6 +249,12 @@ class TrainLoop:
             "timing_s/step": t_end - t0,
             "perf/throughput": tokens / (t_end - t0),
         }
+        if got.gen_seconds > 0:  # sampled tokens per second of generation
+            generated = sum(len(r.response_ids) for r in got.rollouts)
+            metrics["perf/gen_tokens_per_s"] = generated / got.gen_seconds
+        if metrics.get("timing_s/update"):  # tokens through the update per second of it
+            trained = sum(len(r.prompt_ids) + len(r.response_ids) for r, _ in got.kept)
+            metrics["perf/train_tokens_per_s"] = trained / metrics["timing_s/update"]
         self._log_samples(step, got.rollouts, got.scores)
         rewards = [s.reward for _, s in got.kept]
         lengths = [len(r.response_ids) for r in got.rollouts]

@@ -56,6 +56,9 @@ def test_short_run_succeeds_and_summarises(first_run):
         assert all(m[f"timing_s/{stage}"] >= 0 for stage in stages), m
         assert m["timing_s/step"] >= m["timing_s/gen"] + m["timing_s/update"]
         assert m["perf/throughput"] > 0
+        generated = m["response_length/mean"] * m["samples/generated"]
+        assert m["perf/gen_tokens_per_s"] == pytest.approx(generated / m["timing_s/gen"])
+        assert m["perf/train_tokens_per_s"] > 0
 
 
 def test_same_seed_same_metrics(first_run, micro_model_dir, digit_reward, tmp_path):
