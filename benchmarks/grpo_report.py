@@ -36,16 +36,21 @@ def _results_rows(report: dict) -> list[str]:
 
 def _stage_rows(report: dict) -> list[str]:
     rows = [
-        "| workload | system | step | " + " | ".join(STAGES) + " |",
-        "|---|---|---|" + "---|" * len(STAGES),
+        "| workload | system | step | " + " | ".join(STAGES) + " | gen tok/s | update tok/s |",
+        "|---|---|---|" + "---|" * (len(STAGES) + 2),
     ]
     for w in report["workloads"]:
         for system in ("trl", "honing"):
-            stages = w[system]["stages_s"]
+            summary = w[system]
+            stages = summary["stages_s"]
             cells = " | ".join(f"{stages[k]:.3f}" if k in stages else "–" for k in STAGES)
+            tokens = summary["completion_tokens_per_s"] * summary["median_step_s"]  # a step's
+            rates = " | ".join(
+                f"{tokens / stages[k]:,.0f}" if stages.get(k) else "–" for k in ("gen", "update")
+            )
             rows.append(
-                f"| {w['workload']['name']} | {system} | {w[system]['median_step_s']:.3f} "
-                f"| {cells} |"
+                f"| {w['workload']['name']} | {system} | {summary['median_step_s']:.3f} "
+                f"| {cells} | {rates} |"
             )
     return rows
 
@@ -115,7 +120,8 @@ def write_markdown(report: dict, path: Path) -> str:
         "sync: the new weights to the engines (honing's in-process engine shares the policy "
         "module; TRL generates with the trained module itself; – where a run predates the "
         "metric); rest: the step less those (collation, advantages, logging, TRL's "
-        "tokenisation).",
+        "tokenisation). gen / update tok/s: a step's completion tokens over the median "
+        "generation / update time.",
         "",
         *_stage_rows(report),
         "",
