@@ -242,7 +242,8 @@ class TrainLoop:
             self.producer.publish(step, weights)
         t_end = time.perf_counter()
         metrics["timing_s/sync"] = t_end - t_sync  # ~0 when the engine shares the module
-        tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in got.rollouts)
+        generated = sum(len(r.response_ids) for r in got.rollouts)
+        tokens = generated + sum(len(r.prompt_ids) for r in got.rollouts)
         metrics |= {
             "timing_s/gen": got.gen_seconds,
             "timing_s/reward": got.reward_seconds,
@@ -250,7 +251,6 @@ class TrainLoop:
             "perf/throughput": tokens / (t_end - t0),
         }
         if got.gen_seconds > 0:  # sampled tokens per second of generation
-            generated = sum(len(r.response_ids) for r in got.rollouts)
             metrics["perf/gen_tokens_per_s"] = generated / got.gen_seconds
         if metrics.get("timing_s/update"):  # tokens through the update per second of it
             trained = sum(len(r.prompt_ids) + len(r.response_ids) for r, _ in got.kept)

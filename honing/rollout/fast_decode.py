@@ -126,7 +126,7 @@ class FastDecoder:
         shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
         self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=weight.device)  # [B, S]
         self.valid[:, :prompt_len] = mask.bool()
-        # cos / sin of every position a row can reach, looked up by the decode steps
+        # cos / sin of every position a row can reach, looked up by every forward below
         reach = torch.arange(int(positions.max()) + max_new_tokens + 1, device=weight.device)
         self.cos, self.sin = rotary(inner.rotary_emb.inv_freq, reach, weight.dtype)  # [S', D]
         self.length = 0
@@ -217,8 +217,7 @@ class FastDecoder:
         batch, width = ids.shape
         start, end = self.length, self.length + width
         x = F.embedding(ids, self.embedding)  # [B, T, E]
-        cos, sin = rotary(self.model.model.rotary_emb.inv_freq, positions, x.dtype)  # [B, T, D]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D], sin signed for rotate
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm)
             q, k, v = (
