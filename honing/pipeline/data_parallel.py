@@ -17,6 +17,8 @@ Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``). Not s
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 
@@ -46,6 +48,18 @@ def init(device: torch.device):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method="env://", timeout=TIMEOUT)
     return dist.group.WORLD
+
+
+def leave(group, wait: bool) -> None:
+    """Destroys the process group ``init`` joined. A process that exits with a gloo group
+    alive can abort in its C++ teardown ("terminate called without an active exception").
+    With ``wait``, first waits until every rank is done with the group, so none closes a
+    connection another still reads from; without (a rank is failing), leaves at once."""
+    if group is None or not dist.is_initialized():
+        return
+    if wait:
+        dist.barrier(group=group)
+    dist.destroy_process_group()
 
 
 class Leader:
@@ -82,6 +96,18 @@ class Leader:
 
     def stop(self) -> None:
         dist.broadcast_object_list([None], src=0, group=self.group)
+
+
+@contextmanager
+def lead(group, parts: Components) -> Iterator[Leader | None]:
+    """Rank 0's ``Leader`` (None without other ranks); however the run ends, the others are
+    told it ended, so none waits on the next update."""
+    leader = Leader(group, parts) if group is not None else None
+    try:
+        yield leader
+    finally:
+        if leader is not None:
+            leader.stop()
 
 
 def follow(parts: Components, group) -> int:

@@ -133,14 +133,16 @@ def train_here(config: Config, run_dir: Path, resume: str = "auto", log=None) ->
     try:
         if group is not None and data_parallel.world()[0] != 0:
             data_parallel.follow(parts, group)  # rank 0 logs and checkpoints
-            return {}
-        leader = data_parallel.Leader(group, parts) if group is not None else None
-        try:
-            return _train(config, run_dir, parts, checkpoints, checkpoint, log, events, leader)
-        finally:
-            if leader is not None:
-                leader.stop()
+            result = {}
+        else:
+            with data_parallel.lead(group, parts) as leader:
+                result = _train(
+                    config, run_dir, parts, checkpoints, checkpoint, log, events, leader
+                )
+        data_parallel.leave(group, wait=True)
+        return result
     finally:
+        data_parallel.leave(group, wait=False)  # a failing rank: no-op after a clean leave
         parts.scorer.close()
         close = getattr(parts.engine, "close", None)  # remote engines and Ray workers
         if close is not None:
