@@ -138,3 +138,31 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str]):
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+@torch.no_grad()
+def plain_weights(model) -> dict[str, torch.Tensor]:
+    """The weights a plain copy of ``model`` loads to compute what it computes: a LoRA model's
+    adapters merged into their base weights (W + B·A·alpha/r, PEFT's own delta) under the base
+    model's names; ``model`` is not changed. Any other model: its state dict."""
+    if not is_lora(model):
+        return model.state_dict()
+    base = model.get_base_model()
+    merged = {}
+    for name, module in base.named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
+            continue
+        if module.merged_adapters:
+            raise ValueError(f"{name}: the adapters are merged into the weights already")
+        weight = module.base_layer.weight
+        if not module.disable_adapters:
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        merged[f"{name}.base_layer.weight"] = weight
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        out[key.replace(".base_layer.", ".")] = merged.get(key, value)
+    return out

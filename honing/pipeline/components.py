@@ -28,6 +28,7 @@ from honing.models.loading import (
     check_model_dir,
     load_causal_lm,
     load_tokenizer,
+    plain_weights,
     resolve_device,
 )
 from honing.models.tiny import TinySpec, build_tiny_model
@@ -226,13 +227,6 @@ def check_names(config: Config) -> None:
             "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
             "starting coefficient)"
         )
-    remote = config.rollout.engine != "transformers" or config.pipeline.backend == "ray"
-    if config.model.lora_rank and remote:
-        raise ConfigError(
-            "model.lora_rank: LoRA runs with honing's in-process engine (rollout.engine="
-            "transformers, pipeline.backend=local); sending merged weights to remote engines "
-            "is not built yet"
-        )
     from honing.pipeline.alerting import parse_rules
 
     rules = parse_rules(config.monitor)
@@ -375,6 +369,16 @@ def build_components(config: Config, log=print) -> Components:
 
         parts = ray_backend.attach(config, parts, model_path)
     return parts
+
+
+def engine_weights(policy: torch.nn.Module, engine: RolloutEngine) -> dict[str, torch.Tensor]:
+    """The policy's weights as ``engine`` loads them. An in-process engine's model is a copy of
+    the policy module (a LoRA policy's too): its state dict. Engines in other processes (Ray
+    rollout workers, inference servers) hold the plain model: a LoRA policy's adapters reach
+    them merged into the base weights."""
+    if isinstance(engine, TransformersEngine):
+        return policy.state_dict()
+    return plain_weights(policy)
 
 
 def local_engine(config: Config, model, tokenizer, device: torch.device) -> TransformersEngine:

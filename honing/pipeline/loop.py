@@ -28,7 +28,7 @@ from honing.monitor.logger import distribution_metrics
 from honing.monitor.system import system_metrics
 from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
 from honing.pipeline.collect import Collected, collect
-from honing.pipeline.components import Components
+from honing.pipeline.components import Components, engine_weights
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
 from honing.pipeline.offload import Offloader
@@ -238,7 +238,8 @@ class TrainLoop:
             send_weights(parts, step)
         else:  # the producer's engine gets them on its own thread
             parts.val_engine.load_weights(step)
-            weights = {k: v.detach().clone() for k, v in parts.policy.state_dict().items()}
+            weights = engine_weights(parts.policy, parts.engine)
+            weights = {k: v.detach().clone() for k, v in weights.items()}
             self.producer.publish(step, weights)
         t_end = time.perf_counter()
         metrics["timing_s/sync"] = t_end - t_sync  # ~0 when the engine shares the module

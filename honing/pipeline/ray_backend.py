@@ -250,6 +250,8 @@ _SESSION: dict = {}
 
 def attach(config: Config, parts, model_dir: Path):
     """Swaps ``parts``' training engine and scorer for the Ray pools (see the module)."""
+    from honing.pipeline.components import engine_weights
+
     check_supported(config)
     if not _SESSION:  # built outside a trainer actor (a script): a session of its own
         connect(config.pipeline)
@@ -262,7 +264,7 @@ def attach(config: Config, parts, model_dir: Path):
         )
     report = Report()
     engine = RayRolloutEngine(config, model_dir, _SESSION["control"], _SESSION["run_id"], report)
-    engine.load_weights(0, parts.policy.state_dict())
+    engine.load_weights(0, engine_weights(parts.policy, engine))
     scorer = parts.scorer
     if config.pipeline.reward_workers:
         rewards = RewardPool(config, _SESSION["control"], _SESSION["run_id"], report)

@@ -32,7 +32,7 @@ from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
 from honing.models.loading import is_lora, save_model
-from honing.pipeline.components import Components
+from honing.pipeline.components import Components, engine_weights
 
 TRAINER_STATE = "trainer_state.pt"
 STATE_JSON = "state.json"
@@ -198,4 +198,4 @@ def send_weights(parts: Components, version: int) -> None:
     training engine is sent the weights."""
     parts.val_engine.load_weights(version)
     if parts.engine is not parts.val_engine:
-        parts.engine.load_weights(version, parts.policy.state_dict())
+        parts.engine.load_weights(version, engine_weights(parts.policy, parts.engine))

@@ -46,8 +46,10 @@ class RolloutEngine(Protocol):
     ``generate`` returns ``n`` rollouts per request, grouped by request, in request order.
     ``load_weights`` makes the engine sample from policy ``version`` from now on; an engine
     that shares the trainer's module in-process (``shares_policy``) only records the version,
-    any other needs ``state_dict``. ``detached_copy`` gives an engine that can sample on
-    another thread while the trainer's module changes (itself, for remote engines).
+    any other needs ``state_dict`` (an engine in other processes holds the plain model: a
+    LoRA policy's adapters come merged, ``components.engine_weights``). ``detached_copy``
+    gives an engine that can sample on another thread while the trainer's module changes
+    (itself, for remote engines).
     """
 
     shares_policy: bool

@@ -2,6 +2,7 @@
 adapters off (no second copy), checkpoints hold the adapters and load as base + adapter, a
 resumed run continues, and the fast decode path samples from the adapted policy."""
 
+import copy
 import json
 
 import pytest
@@ -11,10 +12,16 @@ peft = pytest.importorskip("peft")
 
 from honing.errors import ConfigError  # noqa: E402
 from honing.models import llama_block  # noqa: E402
-from honing.models.loading import apply_lora, load_causal_lm, load_tokenizer  # noqa: E402
-from honing.pipeline.components import build_components  # noqa: E402
+from honing.models.loading import (  # noqa: E402
+    apply_lora,
+    load_causal_lm,
+    load_tokenizer,
+    plain_weights,
+)
+from honing.pipeline.components import build_components, engine_weights  # noqa: E402
 from honing.pipeline.run import train  # noqa: E402
 from honing.rollout.fast_decode import FastDecoder, supports  # noqa: E402
+from honing.rollout.transformers_engine import TransformersEngine  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402
 
@@ -71,18 +78,25 @@ def test_a_lora_run_resumes_as_it_would_have_continued(tmp_path, micro_model_dir
         assert [m[key] for m in a][2:] == [m[key] for m in b if m["step"] > 2][-2:], key
 
 
+def adapted(model_dir, seed=0):
+    """The micro model with LoRA adapters that do something (PEFT starts B at 0)."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, tokenizer, dtype="float32", device="cpu")
+    model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj", "down_proj"]).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    return model, tokenizer
+
+
 @pytest.mark.parametrize("fuse_bytes", [4 << 20, 0], ids=["merged", "peft-forward"])
 def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir, fuse_bytes, monkeypatch):
     """Small adapted layers are merged into the decoder's matrices; big ones (forced here)
     run by PEFT's own forward: either way, the adapted policy's logits."""
     monkeypatch.setattr(llama_block, "FUSE_BYTES", fuse_bytes)
-    tokenizer = load_tokenizer(micro_model_dir)
-    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
-    model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj", "down_proj"]).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at 0: make the adapters do something
-                param.normal_(0, 0.5)
+    model, tokenizer = adapted(micro_model_dir)
     assert supports(model) is True
     ids = torch.tensor([tokenizer.encode("12 + 7 =")])
     mask = torch.ones_like(ids)
@@ -96,12 +110,36 @@ def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir, fuse_bytes
     assert not torch.allclose(want, base, atol=1e-3)
 
 
-def test_lora_with_remote_engines_is_refused(micro_model_dir, digit_reward):
-    config = small_run_config(
-        micro_model_dir, digit_reward, **{"model.lora_rank": 4, "pipeline.backend": "ray"}
+def test_plain_weights_are_the_adapted_policy_merged(micro_model_dir):
+    """What engines in other processes load: a plain model with these weights computes what
+    the adapted policy computes, as PEFT's own merge does; the policy is left as it was."""
+    model, tokenizer = adapted(micro_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = plain_weights(model)
+    plain = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu").eval()
+    base_weights = {k: v.clone() for k, v in plain.state_dict().items()}
+    assert weights.keys() == base_weights.keys()
+    plain.load_state_dict(weights)
+    ids = torch.tensor([tokenizer.encode("12 + 7 =")])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(plain(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+            assert not torch.allclose(want, base, atol=1e-3)
+            for key, value in plain_weights(model).items():  # adapters off: the base
+                assert torch.equal(value, base_weights[key]), key
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, merged[key], atol=1e-6, rtol=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (
+        engine_weights(model, TransformersEngine(model, tokenizer, device="cpu")).keys()
+        == before.keys()
     )
-    with pytest.raises(ConfigError, match="in-process engine"):
-        build_components(config, log=lambda m: None)
+
+
+def test_lora_target_modules_must_name_modules(micro_model_dir, digit_reward):
     bad = small_run_config(
         micro_model_dir,
         digit_reward,

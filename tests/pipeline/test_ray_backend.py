@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -16,7 +17,9 @@ from honing import cli  # noqa: E402
 from honing.errors import ConfigError, UserError  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline import ray_backend  # noqa: E402
+from honing.pipeline.components import build_components  # noqa: E402
 from honing.pipeline.run import train  # noqa: E402
+from honing.pipeline.state import send_weights  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
 from honing.rollout.transformers_engine import TransformersEngine  # noqa: E402
 
@@ -163,6 +166,42 @@ def test_workers_speculate_and_report_it(cluster, micro_model_dir, digit_reward)
         assert "rollout/spec_draft_tokens" not in engine.take_report()[0]  # once per call
     finally:
         engine.close()
+
+
+def test_workers_sample_from_a_lora_policy_merged(cluster, micro_model_dir, digit_reward):
+    """A LoRA run's rollout workers hold the plain model: they get the adapters merged in,
+    when the run starts and with each version sent after."""
+    pytest.importorskip("peft")
+    overrides = {"model.lora_rank": 4, "pipeline.backend": "ray"}
+    config = small_run_config(micro_model_dir, digit_reward, **overrides)
+    parts = build_components(config, log=lambda message: None)
+    try:
+        with torch.no_grad():
+            for name, param in parts.policy.named_parameters():
+                if "lora_B" in name:  # PEFT starts B at 0: make the adapters do something
+                    param.normal_(0, 0.5)
+        send_weights(parts, 1)
+        rollouts = parts.engine.generate(_requests(micro_model_dir), SamplingParams(n=2))
+        policy = parts.policy.eval()
+        moved = 0.0
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.response_ids])
+            with torch.no_grad():
+                logits = policy(input_ids=ids).logits[0, len(r.prompt_ids) - 1 : -1]
+                with policy.disable_adapter():
+                    base = policy(input_ids=ids).logits[0, len(r.prompt_ids) - 1 : -1]
+            tokens = torch.tensor(r.response_ids)[:, None]
+            want = logits.log_softmax(-1).gather(-1, tokens).squeeze(-1)
+            got = torch.tensor(r.behaviour_logprobs)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            moved = max(
+                moved,
+                (got - base.log_softmax(-1).gather(-1, tokens).squeeze(-1)).abs().max().item(),
+            )
+        assert moved > 1e-3  # not the base model's
+        assert parts.engine.weight_version == 1
+    finally:
+        parts.engine.close()
 
 
 def _metrics(run_dir):

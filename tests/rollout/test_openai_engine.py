@@ -255,3 +255,50 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 12.0
 vllm:num_requests_running{model_name="m"} 1.0
 """
     assert _counters(page) == {"drafts": 15.0, "draft_tokens": 45.0, "accepted_tokens": 30.0}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lora_run_sends_the_servers_its_policy_merged(
+    servers, micro_model_dir, digit_reward, tmp_path, mode, run_config, tokenizer, model
+):
+    """The servers hold the plain model: they get the adapters merged into the base weights,
+    and sample with the logprobs of the checkpointed adapters of the version they hold."""
+    peft = pytest.importorskip("peft")
+    from honing.pipeline.run import train
+
+    cfg = run_config(
+        micro_model_dir,
+        digit_reward,
+        **{
+            "rollout.engine": "openai",
+            "rollout.endpoints": ",".join(servers),
+            "schedule.mode": mode,
+            "model.lora_rank": 4,
+            "trainer.lr": 5e-2,
+            "trainer.total_steps": 3,
+            "trainer.val_at_start": False,
+            "checkpoint.every": 1,
+            "checkpoint.keep": 3,
+        },
+    )
+    train(cfg, tmp_path / "run", log=lambda message: None)
+    (version,) = {httpx.get(f"{url}/health").json()["weight_version"] for url in servers}
+    # sync sends every version after its update; async the one step 3 was sampled with
+    assert version == 3 if mode == "sync" else version in (1, 2)
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{version}"
+    base = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
+    trained = peft.PeftModel.from_pretrained(base, checkpoint).eval()
+    engine = OpenAIEngine(servers, tokenizer)
+    params = SamplingParams(n=4, max_new_tokens=5, max_seq_len=64, seed=3)
+    moved = 0.0
+    for r in engine.generate(requests_for(tokenizer), params):
+        got = torch.tensor(r.behaviour_logprobs)
+        want = teacher_forced_logprobs(trained, r.prompt_ids, r.response_ids)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        moved = max(
+            moved,
+            (got - teacher_forced_logprobs(model, r.prompt_ids, r.response_ids)).abs().max().item(),
+        )
+    assert moved > 1e-3  # the adapters trained: not the base model's logprobs
+    engine.load_weights(0, model.state_dict())  # back, for the other tests
+    engine.close()
