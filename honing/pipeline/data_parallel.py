@@ -10,8 +10,10 @@ settings, the learning rate and the shuffling seed) to the other ranks; every ra
 Whenever rank 0's weights change in another way (a resume, a rollback) it sends its weights
 and optimizer state with the next update. The other ranks write nothing.
 
-Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``). Not supported yet
-(a ``ConfigError`` says so): a critic (``algorithm.advantage=gae``).
+Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``). PPO's critic
+(``algorithm.advantage=gae``) trains the same way: rank 0 computes the values and returns,
+every rank fits the critic on its share of the rows, and its weights and optimizer state go
+with the policy's when rank 0 sends its state.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from honing.errors import ConfigError
 from honing.pipeline.components import Components
+from honing.pipeline.experience import Experience
+from honing.trainer.critic import update_critic
 from honing.trainer.update import update_policy
 
 TIMEOUT = timedelta(minutes=30)  # a rank waiting longer for the others fails
@@ -66,11 +69,6 @@ class Leader:
     """Rank 0's side: sends each update's inputs (and, when needed, its whole state)."""
 
     def __init__(self, group, parts: Components):
-        if parts.critic is not None:
-            raise ConfigError(
-                "data-parallel training with a critic (algorithm.advantage=gae) is not "
-                "supported yet; run one process"
-            )
         self.group, self.parts = group, parts
         self.send_state = True  # the others built their model from model.path: sync first
 
@@ -78,24 +76,38 @@ class Leader:
         """Rank 0 loaded other weights (resume, rollback): send them with the next update."""
         self.send_state = True
 
-    def update(self, batch, advantages, settings, old_logprobs, ref_logprobs, seed: int) -> None:
+    def update(self, exp: Experience, settings, seed: int, act: bool, value_clip: float) -> None:
+        """Sends the step's update: the critic's (when there is one) and, if ``act``, the
+        policy's."""
         parts = self.parts
         payload = {
-            "batch": replace(batch, layouts={}),  # a rank makes its own rows' packed layouts
-            "advantages": advantages,
-            "old": old_logprobs,
-            "ref": ref_logprobs,
+            "batch": replace(exp.batch, layouts={}),  # a rank makes its own rows' layouts
+            "advantages": exp.advantages,
+            "old": exp.old_logprobs,
+            "ref": exp.ref_logprobs,
+            "values": exp.old_values,
+            "returns": exp.returns,
+            "value_clip": value_clip,
+            "act": act,
             "settings": settings,
             "seed": seed,
             "lr": [group["lr"] for group in parts.optimizer.param_groups],
         }
         if self.send_state:
-            payload["state"] = (parts.policy.state_dict(), parts.optimizer.state_dict())
+            payload["state"] = _state(parts)
             self.send_state = False
         dist.broadcast_object_list([payload], src=0, group=self.group)
 
     def stop(self) -> None:
         dist.broadcast_object_list([None], src=0, group=self.group)
+
+
+def _state(parts: Components) -> dict:
+    """What the other ranks load to hold rank 0's weights and optimizer moments."""
+    state = {"policy": (parts.policy.state_dict(), parts.optimizer.state_dict())}
+    if parts.critic is not None:
+        state["critic"] = (parts.critic.state_dict(), parts.critic_optimizer.state_dict())
+    return state
 
 
 @contextmanager
@@ -121,20 +133,40 @@ def follow(parts: Components, group) -> int:
         if payload is None:
             return updates
         if "state" in payload:
-            weights, optimizer_state = payload["state"]
-            parts.policy.load_state_dict(weights)
-            parts.optimizer.load_state_dict(optimizer_state)
+            state = payload["state"]
+            _load(parts.policy, parts.optimizer, *state["policy"])
+            if parts.critic is not None:
+                _load(parts.critic, parts.critic_optimizer, *state["critic"])
         for param_group, lr in zip(parts.optimizer.param_groups, payload["lr"], strict=True):
             param_group["lr"] = lr
-        update_policy(
-            parts.policy,
-            parts.optimizer,
-            payload["batch"],
-            payload["advantages"],
-            payload["settings"],
-            old_logprobs=payload["old"],
-            ref_logprobs=payload["ref"],
-            generator=torch.Generator().manual_seed(payload["seed"]),
-            group=group,
-        )
+        settings, seed = payload["settings"], payload["seed"]
+        if parts.critic is not None:
+            update_critic(
+                parts.critic,
+                parts.critic_optimizer,
+                payload["batch"],
+                payload["values"],
+                payload["returns"],
+                settings,
+                clip=payload["value_clip"],
+                generator=torch.Generator().manual_seed(seed + 1),
+                group=group,
+            )
+        if payload["act"]:
+            update_policy(
+                parts.policy,
+                parts.optimizer,
+                payload["batch"],
+                payload["advantages"],
+                settings,
+                old_logprobs=payload["old"],
+                ref_logprobs=payload["ref"],
+                generator=torch.Generator().manual_seed(seed),
+                group=group,
+            )
         updates += 1
+
+
+def _load(model, optimizer, weights: dict, optimizer_state: dict) -> None:
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(optimizer_state)

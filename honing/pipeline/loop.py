@@ -36,7 +36,7 @@ from honing.pipeline.producer import RolloutProducer, check_supported
 from honing.pipeline.state import load_training_state, save_training_state, send_weights
 from honing.trainer.critic import update_critic
 from honing.trainer.mtp import train_mtp
-from honing.trainer.update import mini_batches, update_policy
+from honing.trainer.update import update_policy
 from honing.types import Rollout, Score
 
 
@@ -289,16 +289,28 @@ class TrainLoop:
         old_logprobs, ref_logprobs = exp.old_logprobs, exp.ref_logprobs
         t_update = time.perf_counter()
         seed = step_seed(self.config.trainer.seed, step)
+        # PPO's critic fits the values first; during its warm-up the policy waits.
+        act = parts.critic is None or step > self.config.trainer.critic_warmup_steps
+        value_clip, group = self.config.algorithm.value_clip, None
+        if self.data_parallel is not None:
+            self.data_parallel.update(exp, settings, seed, act, value_clip)
+            group = self.data_parallel.group
         if parts.critic is not None:
-            metrics |= self._update_critic(exp, torch.Generator().manual_seed(seed + 1))
-            if step <= self.config.trainer.critic_warmup_steps:  # fit values before acting
+            metrics |= update_critic(
+                parts.critic,
+                parts.critic_optimizer,
+                batch,
+                exp.old_values,
+                exp.returns,
+                settings,
+                clip=value_clip,
+                generator=torch.Generator().manual_seed(seed + 1),
+                group=group,
+            )
+            if not act:
                 metrics["timing_s/update"] = time.perf_counter() - t_update
                 return metrics | reloaded
         generator = torch.Generator().manual_seed(seed)
-        group = None
-        if self.data_parallel is not None:
-            self.data_parallel.update(batch, advantages, settings, old_logprobs, ref_logprobs, seed)
-            group = self.data_parallel.group
         metrics |= update_policy(
             parts.policy,
             parts.optimizer,
@@ -316,20 +328,6 @@ class TrainLoop:
             metrics |= train_mtp(parts.mtp, parts.mtp_optimizer, parts.policy, batch, generator)
         metrics["timing_s/prepare"] = t_update - t0
         return metrics | reloaded | self.offload.peak("update")
-
-    def _update_critic(self, exp, generator: torch.Generator) -> dict:
-        settings = self.parts.update
-        return update_critic(
-            self.parts.critic,
-            self.parts.critic_optimizer,
-            exp.batch,
-            exp.old_values,
-            exp.returns,
-            clip=self.config.algorithm.value_clip,
-            mini_batches=mini_batches(len(exp.batch), settings, generator),
-            micro_batch_size=settings.micro_batch_size,
-            grad_clip=settings.grad_clip,
-        )
 
     def _rollout_metrics(self, got: Collected) -> dict:
         rollouts, scores = got.rollouts, got.scores

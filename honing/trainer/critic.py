@@ -15,6 +15,14 @@ from torch import nn
 from honing.algorithms import masked_mean
 from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
+from honing.trainer.update import (
+    UpdateSettings,
+    mini_batches,
+    my_micro_batches,
+    place,
+    sum_gradients,
+    summed,
+)
 
 
 class ValueModel(nn.Module):
@@ -49,20 +57,24 @@ def update_critic(
     batch: TrainBatch,
     old_values: torch.Tensor,
     returns: torch.Tensor,
+    settings: UpdateSettings,
     *,
     clip: float,
-    mini_batches,
-    micro_batch_size: int,
-    grad_clip: float,
+    generator: torch.Generator,
+    group=None,
 ) -> dict[str, float]:
-    """Fit the critic to ``returns`` ([B, R]) over the given mini-batch index tensors."""
+    """Fit the critic to ``returns`` ([B, R]) over the mini-batches ``settings`` and
+    ``generator`` draw, with the policy's micro-batch size and gradient clipping. Data
+    parallel (``group``) as ``update_policy``: each rank its share of the rows, gradients and
+    metric sums summed, the same optimizer step everywhere."""
+    rank, world = place(group)
     critic.train()
     totals: dict[str, torch.Tensor] = {}
     steps = 0
-    for index in mini_batches:
+    for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
-        for micro_index in torch.split(index, micro_batch_size):
+        for micro_index in my_micro_batches(index, rank, world, settings.micro_batch_size):
             micro = batch.select(micro_index)
             width = micro.responses.shape[1]
             values = critic(micro)  # [b, R]
@@ -80,10 +92,14 @@ def update_critic(
             totals["critic/vf_clipfrac"] = (
                 totals.get("critic/vf_clipfrac", 0) + metrics["critic/vf_clipfrac"] * share
             )
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)
+        if world > 1:
+            sum_gradients(critic, group)
+        if settings.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), settings.grad_clip)
         optimizer.step()
         steps += 1
+    if world > 1:
+        totals = summed(totals, group)
     mask = batch.response_mask
     return {
         **{k: float(v) / steps for k, v in totals.items()},

@@ -153,23 +153,18 @@ def update_policy(
     gradient, and every rank takes the same optimizer step. Metrics are summed likewise.
     """
     generator = generator or torch.Generator().manual_seed(0)
-    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    rank, world = place(group)
     if not model.training:  # a module walk: only when generation left it in eval mode
         model.train()
     totals: dict[str, torch.Tensor] = {}
     grad_norms = []
     optimizer_steps = skipped = 0
     for index in mini_batches(len(batch), settings, generator):
-        if len(index) < world:
-            raise ValueError(
-                f"a mini-batch of {len(index)} sequences cannot be shared by {world} "
-                "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
-            )
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
         optimizer.zero_grad(set_to_none=True)
-        for micro_index in torch.split(index[rank::world], settings.micro_batch_size):
+        for micro_index in my_micro_batches(index, rank, world, settings.micro_batch_size):
             micro = batch.select(micro_index)
             rows = _rows(micro_index, micro.responses.shape[1])
             contrib = micro_step(
@@ -184,7 +179,7 @@ def update_policy(
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
         if world > 1:
-            _sum_gradients(model, group)
+            sum_gradients(model, group)
         if settings.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         else:
@@ -200,14 +195,30 @@ def update_policy(
         grad_norms.append(norm)
         optimizer.step()
     if world > 1:
-        totals = _summed(totals, group)
+        totals = summed(totals, group)
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     return metrics
 
 
-def _sum_gradients(model, group) -> None:
+def place(group) -> tuple[int, int]:
+    """(rank, world size) in the data-parallel ``group``; (0, 1) without one."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def my_micro_batches(index: torch.Tensor, rank: int, world: int, size: int):
+    """This rank's rows of the mini-batch ``index`` (rows rank, rank + W, ...), in
+    micro-batches of ``size``."""
+    if len(index) < world:
+        raise ValueError(
+            f"a mini-batch of {len(index)} sequences cannot be shared by {world} "
+            "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
+        )
+    return torch.split(index[rank::world], size)
+
+
+def sum_gradients(model, group) -> None:
     """All-reduce (sum) every parameter's gradient across ``group``, as one flat buffer."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -217,7 +228,7 @@ def _sum_gradients(model, group) -> None:
         param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
 
 
-def _summed(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+def summed(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
     """The metric sums of every rank (each rank has the same names)."""
     names = sorted(totals)
     values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
