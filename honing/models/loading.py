@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,7 +135,18 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str]):
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none"
     )
-    return get_peft_model(model, config)
+    with peft_quietly():
+        return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """PEFT (0.21) reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a
+    model, a FutureWarning on every LoRA run that the user can do nothing about; that warning
+    is silenced, no other."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        yield
 
 
 def is_lora(model) -> bool:

@@ -61,7 +61,12 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
     from pathlib import Path
 
     from honing.errors import ConfigError
-    from honing.models.loading import check_model_dir, load_causal_lm, load_tokenizer
+    from honing.models.loading import (
+        check_model_dir,
+        load_causal_lm,
+        load_tokenizer,
+        peft_quietly,
+    )
     from honing.models.loading import resolve_device as device_of
     from honing.pipeline.components import (
         build_scorer,
@@ -93,7 +98,8 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
                 device=device,
                 trust_remote_code=m.trust_remote_code,
             )
-            model = PeftModel.from_pretrained(base, path).eval()
+            with peft_quietly():
+                model = PeftModel.from_pretrained(base, path).eval()
         else:
             check_model_dir(path)
             tokenizer = load_tokenizer(path, trust_remote_code=m.trust_remote_code)

@@ -4,6 +4,7 @@ resumed run continues, and the fast decode path samples from the adapted policy.
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -108,6 +109,12 @@ def test_fast_decode_samples_from_the_adapted_policy(micro_model_dir, fuse_bytes
             base = model(input_ids=ids).logits[:, -1]
     assert torch.allclose(got, want, atol=1e-4)
     assert not torch.allclose(want, base, atol=1e-3)
+
+
+def test_wrapping_a_model_in_lora_does_not_warn(micro_model_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PEFT's read of a deprecated transformers name warned
+        adapted(micro_model_dir)
 
 
 def test_plain_weights_are_the_adapted_policy_merged(micro_model_dir):
