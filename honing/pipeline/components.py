@@ -34,6 +34,7 @@ from honing.models.loading import (
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rewards import Scorer, format_reward, numeric_reward, parse_number
 from honing.rollout.base import RolloutEngine, SamplingParams
+from honing.rollout.mtp import MTP_PREFIX
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
 from honing.trainer.optim import build_optimizer
@@ -371,14 +372,20 @@ def build_components(config: Config, log=print) -> Components:
     return parts
 
 
-def engine_weights(policy: torch.nn.Module, engine: RolloutEngine) -> dict[str, torch.Tensor]:
+def engine_weights(
+    policy: torch.nn.Module, engine: RolloutEngine, mtp: torch.nn.Module | None = None
+) -> dict[str, torch.Tensor]:
     """The policy's weights as ``engine`` loads them. An in-process engine's model is a copy of
-    the policy module (a LoRA policy's too): its state dict. Engines in other processes (Ray
-    rollout workers, inference servers) hold the plain model: a LoRA policy's adapters reach
-    them merged into the base weights."""
+    the policy module (a LoRA policy's too), and it shares the MTP heads: the state dict.
+    Engines in other processes (Ray rollout workers, inference servers) hold the plain model:
+    a LoRA policy's adapters reach them merged into the base weights, and the MTP heads
+    trained here (``mtp``) come along under ``MTP_PREFIX``."""
     if isinstance(engine, TransformersEngine):
         return policy.state_dict()
-    return plain_weights(policy)
+    weights = plain_weights(policy)
+    if mtp is not None:
+        weights |= {MTP_PREFIX + k: v for k, v in mtp.state_dict().items()}
+    return weights
 
 
 def local_engine(config: Config, model, tokenizer, device: torch.device) -> TransformersEngine:

@@ -238,7 +238,7 @@ class TrainLoop:
             send_weights(parts, step)
         else:  # the producer's engine gets them on its own thread
             parts.val_engine.load_weights(step)
-            weights = engine_weights(parts.policy, parts.engine)
+            weights = engine_weights(parts.policy, parts.engine, parts.mtp)
             weights = {k: v.detach().clone() for k, v in weights.items()}
             self.producer.publish(step, weights)
         t_end = time.perf_counter()

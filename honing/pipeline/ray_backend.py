@@ -50,6 +50,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from honing.config import Config, PipelineConfig
 from honing.errors import ConfigError, UserError
 from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.mtp import MTP_PREFIX
 from honing.rollout.speculative import merge_metrics
 from honing.types import Rollout
 
@@ -102,11 +103,6 @@ def check_supported(config: Config) -> None:
         raise ConfigError(
             "pipeline.backend=ray runs honing's own engine in its rollout workers; "
             f"rollout.engine={config.rollout.engine} is for remote servers (use backend=local)"
-        )
-    if config.rollout.speculative == "mtp":
-        raise ConfigError(
-            "rollout.speculative=mtp trains its heads in the trainer, and the Ray rollout "
-            "workers do not receive them yet; use ngram or draft with pipeline.backend=ray"
         )
 
 
@@ -264,7 +260,7 @@ def attach(config: Config, parts, model_dir: Path):
         )
     report = Report()
     engine = RayRolloutEngine(config, model_dir, _SESSION["control"], _SESSION["run_id"], report)
-    engine.load_weights(0, engine_weights(parts.policy, engine))
+    engine.load_weights(0, engine_weights(parts.policy, engine, parts.mtp))
     scorer = parts.scorer
     if config.pipeline.reward_workers:
         rewards = RewardPool(config, _SESSION["control"], _SESSION["run_id"], report)
@@ -504,6 +500,11 @@ class RolloutWorker:
     def generate(self, version: int, weights, requests, params):
         """The rollouts, and the engine's report (speculation, timeouts) of this call."""
         if weights is not None:
+            heads = {k: v for k, v in weights.items() if k.startswith(MTP_PREFIX)}
+            if heads:  # rollout.speculative=mtp: the heads the trainer trains
+                weights = {k: v for k, v in weights.items() if k not in heads}
+                heads = {k.removeprefix(MTP_PREFIX): v for k, v in heads.items()}
+                self.engine.speculation.draft_model.load_state_dict(heads)
             self.engine.load_weights(version, weights)
         rollouts = self.engine.generate(requests, params)
         return rollouts, self.engine.take_report()

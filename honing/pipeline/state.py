@@ -198,4 +198,4 @@ def send_weights(parts: Components, version: int) -> None:
     training engine is sent the weights."""
     parts.val_engine.load_weights(version)
     if parts.engine is not parts.val_engine:
-        parts.engine.load_weights(version, engine_weights(parts.policy, parts.engine))
+        parts.engine.load_weights(version, engine_weights(parts.policy, parts.engine, parts.mtp))

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+MTP_PREFIX = "mtp_heads."  # the heads' keys among the weights sent to Ray rollout workers
+
 
 class _Head(nn.Module):
     def __init__(self, hidden_size: int):

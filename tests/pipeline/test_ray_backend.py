@@ -204,6 +204,41 @@ def test_workers_sample_from_a_lora_policy_merged(cluster, micro_model_dir, digi
         parts.engine.close()
 
 
+def test_workers_draft_with_the_mtp_heads_the_trainer_trains(
+    cluster, micro_model_dir, digit_reward
+):
+    """rollout.speculative=mtp: the heads train in the trainer and go to the workers with the
+    weights; drafts decide which random numbers a sampler draws, so equal samples mean equal
+    heads."""
+    overrides = {
+        "pipeline.backend": "ray",
+        "pipeline.rollout_chunk": 3,
+        "rollout.speculative": "mtp",
+        "rollout.spec_tokens": 2,
+        "rollout.spec_min_accept": 0.0,
+    }
+    config = small_run_config(micro_model_dir, digit_reward, **overrides)
+    parts = build_components(config, log=lambda message: None)
+    try:
+        with torch.no_grad():  # heads that propose something other than a fresh head's
+            for param in parts.mtp.parameters():
+                param.normal_(0, 0.3)
+        send_weights(parts, 1)
+        requests, params = _requests(micro_model_dir), SamplingParams(n=3, max_new_tokens=6)
+        got = parts.engine.generate(requests, params)
+        want = []
+        for start in range(0, len(requests), 3):  # the local engine, the same heads
+            seed = (params.seed * 1_000_003 + start) % (2**63)
+            want += parts.val_engine.generate(
+                requests[start : start + 3], replace(params, seed=seed)
+            )
+        assert _key(got) == _key(want)
+        metrics, _ = parts.engine.take_report()
+        assert metrics["rollout/spec_draft_tokens"] > 0
+    finally:
+        parts.engine.close()
+
+
 def _metrics(run_dir):
     path = run_dir / "metrics.jsonl"
     if not path.exists():
