@@ -153,24 +153,53 @@ def is_lora(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
+def _adapted(base) -> list[tuple[str, torch.nn.Module]]:
+    """The (name, module) pairs of ``base`` that PEFT wrapped with adapters."""
+    return [
+        (name, module)
+        for name, module in base.named_modules()
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
+    ]
+
+
+def check_mergeable(model) -> None:
+    """Raises a ``ConfigError`` when ``model``'s adapters cannot be merged into a plain copy of
+    it: an adapted weight tied to another (embeddings shared with the output head) would have
+    to be both adapted and not."""
+    if not is_lora(model):
+        return
+    base = model.get_base_model()
+    names: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name.replace(".base_layer.", "."))
+    for name, module in _adapted(base):
+        tied = [n for n in names[id(module.base_layer.weight)] if n != f"{name}.weight"]
+        if tied:
+            raise ConfigError(
+                f"model.lora_target_modules: {name.rsplit('.', 1)[-1]}'s weight is tied to "
+                f"{tied[0]}, so merged adapters would change both; leave it out of the targets "
+                "when the rollout engine runs in other processes (Ray workers, servers)"
+            )
+
+
 @torch.no_grad()
 def plain_weights(model) -> dict[str, torch.Tensor]:
     """The weights a plain copy of ``model`` loads to compute what it computes: a LoRA model's
-    adapters merged into their base weights (W + B·A·alpha/r, PEFT's own delta) under the base
-    model's names; ``model`` is not changed. Any other model: its state dict."""
+    adapters merged into their base weights (W + B·A·alpha/r, PEFT's own delta, for linear
+    and embedding layers) under the base model's names; ``model`` is not changed. Any other
+    model: its state dict."""
     if not is_lora(model):
         return model.state_dict()
+    check_mergeable(model)
     base = model.get_base_model()
     merged = {}
-    for name, module in base.named_modules():
-        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
-            continue
+    for name, module in _adapted(base):
         if module.merged_adapters:
             raise ValueError(f"{name}: the adapters are merged into the weights already")
         weight = module.base_layer.weight
         if not module.disable_adapters:
             for adapter in module.active_adapters:
-                if adapter in module.lora_A:
+                if adapter in module.scaling:  # lora_A (linear) or lora_embedding_A
                     weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
         merged[f"{name}.base_layer.weight"] = weight
     out = {}

@@ -25,6 +25,7 @@ from honing.data import (
 from honing.errors import ConfigError, DataError
 from honing.models.loading import (
     apply_lora,
+    check_mergeable,
     check_model_dir,
     load_causal_lm,
     load_tokenizer,
@@ -294,6 +295,8 @@ def build_components(config: Config, log=print) -> Components:
         (enable or policy.gradient_checkpointing_enable)()
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
+        if config.rollout.engine != "transformers" or config.pipeline.backend == "ray":
+            check_mergeable(policy)  # engines in other processes get the adapters merged
     if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None

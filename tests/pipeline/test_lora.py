@@ -146,6 +146,45 @@ def test_plain_weights_are_the_adapted_policy_merged(micro_model_dir):
     )
 
 
+def test_adapted_embeddings_and_head_merge_too():
+    """PEFT keeps an embedding's adapters apart from a linear layer's; both are merged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+    config = LlamaConfig(vocab_size=50, num_hidden_layers=1, tie_word_embeddings=False, **shape)
+    model = apply_lora(LlamaForCausalLM(config), 4, 8.0, ["embed_tokens", "q_proj", "lm_head"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.normal_(0, 0.5)
+    weights = plain_weights(model)
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert weights.keys() == merged.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, merged[key], atol=1e-6, rtol=0)
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(weights)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(input_ids=ids).logits)
+
+
+def test_adapters_on_a_tied_embedding_are_refused_for_engines_elsewhere(
+    micro_model_dir, digit_reward
+):
+    """The micro model ties its embeddings to the output head: merged adapters on one would
+    change the other, so engines in other processes cannot get them; said at the start."""
+    overrides = {
+        "model.lora_rank": 4,
+        "model.lora_target_modules": ["embed_tokens", "q_proj"],
+        "pipeline.backend": "ray",
+    }
+    config = small_run_config(micro_model_dir, digit_reward, **overrides)
+    with pytest.raises(ConfigError, match="embed_tokens's weight is tied to lm_head"):
+        build_components(config, log=lambda m: None)
+
+
 def test_lora_target_modules_must_name_modules(micro_model_dir, digit_reward):
     bad = small_run_config(
         micro_model_dir,
