@@ -40,6 +40,9 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+_JOINED = []  # the group ``init`` created (a caller's own group is left to the caller)
+
+
 def init(device: torch.device):
     """Joins the process group when launched with several ranks; returns it (or None)."""
     rank, size = world()
@@ -50,18 +53,20 @@ def init(device: torch.device):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method="env://", timeout=TIMEOUT)
+        _JOINED.append(dist.group.WORLD)
     return dist.group.WORLD
 
 
 def leave(group, wait: bool) -> None:
-    """Destroys the process group ``init`` joined. A process that exits with a gloo group
+    """Destroys the process group ``init`` created. A process that exits with a gloo group
     alive can abort in its C++ teardown ("terminate called without an active exception").
     With ``wait``, first waits until every rank is done with the group, so none closes a
-    connection another still reads from; without (a rank is failing), leaves at once."""
-    if group is None or not dist.is_initialized():
+    connection another still reads from; without (a rank failed), leaves at once."""
+    if group is None or group not in _JOINED or not dist.is_initialized():
         return
     if wait:
         dist.barrier(group=group)
+    _JOINED.remove(group)
     dist.destroy_process_group()
 
 
@@ -71,14 +76,18 @@ class Leader:
     def __init__(self, group, parts: Components):
         self.group, self.parts = group, parts
         self.send_state = True  # the others built their model from model.path: sync first
+        self.updating = False  # inside an update's collectives
 
     def weights_changed(self) -> None:
         """Rank 0 loaded other weights (resume, rollback): send them with the next update."""
         self.send_state = True
 
-    def update(self, exp: Experience, settings, seed: int, act: bool, value_clip: float) -> None:
-        """Sends the step's update: the critic's (when there is one) and, if ``act``, the
-        policy's."""
+    @contextmanager
+    def update(self, exp: Experience, settings, seed: int, act: bool, value_clip: float):
+        """Sends the step's update (the critic's, when there is one, and if ``act`` the
+        policy's); the body runs rank 0's share, in step with the others. Should the body
+        fail, the others are inside its collectives where no stop message reaches them: rank
+        0 just fails (torchrun then stops them)."""
         parts = self.parts
         payload = {
             "batch": replace(exp.batch, layouts={}),  # a rank makes its own rows' layouts
@@ -97,9 +106,13 @@ class Leader:
             payload["state"] = _state(parts)
             self.send_state = False
         dist.broadcast_object_list([payload], src=0, group=self.group)
+        self.updating = True
+        yield
+        self.updating = False
 
-    def stop(self) -> None:
-        dist.broadcast_object_list([None], src=0, group=self.group)
+    def stop(self, failed: bool) -> None:
+        """Tells the others the run ended, and whether it failed."""
+        dist.broadcast_object_list([{"stop": failed}], src=0, group=self.group)
 
 
 def _state(parts: Components) -> dict:
@@ -112,26 +125,29 @@ def _state(parts: Components) -> dict:
 
 @contextmanager
 def lead(group, parts: Components) -> Iterator[Leader | None]:
-    """Rank 0's ``Leader`` (None without other ranks); however the run ends, the others are
-    told it ended, so none waits on the next update."""
+    """Rank 0's ``Leader`` (None without other ranks). However the run ends, the others are
+    told it ended and whether it failed, so none waits on the next update; unless it failed
+    inside an update, where they wait in its collectives instead (see ``Leader.update``)."""
     leader = Leader(group, parts) if group is not None else None
     try:
         yield leader
-    finally:
-        if leader is not None:
-            leader.stop()
+    except BaseException:
+        if leader is not None and not leader.updating:
+            leader.stop(failed=True)
+        raise
+    if leader is not None:
+        leader.stop(failed=False)
 
 
-def follow(parts: Components, group) -> int:
-    """A rank other than 0: runs its share of every update until rank 0 stops; returns the
-    number of updates it took part in."""
-    updates = 0
+def follow(parts: Components, group) -> bool:
+    """A rank other than 0: runs its share of every update until rank 0 stops; returns
+    whether rank 0's run ended well."""
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         payload = box[0]
-        if payload is None:
-            return updates
+        if "stop" in payload:
+            return not payload["stop"]
         if "state" in payload:
             state = payload["state"]
             _load(parts.policy, parts.optimizer, *state["policy"])
@@ -164,7 +180,6 @@ def follow(parts: Components, group) -> int:
                 generator=torch.Generator().manual_seed(seed),
                 group=group,
             )
-        updates += 1
 
 
 def _load(model, optimizer, weights: dict, optimizer_state: dict) -> None:

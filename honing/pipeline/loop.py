@@ -13,6 +13,7 @@ failed score, also those trained with a recorded 0 (``reward.on_error=zero``).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -292,36 +293,38 @@ class TrainLoop:
         # PPO's critic fits the values first; during its warm-up the policy waits.
         act = parts.critic is None or step > self.config.trainer.critic_warmup_steps
         value_clip, group = self.config.algorithm.value_clip, None
+        in_step = contextlib.nullcontext()  # with other ranks: their share runs alongside
         if self.data_parallel is not None:
-            self.data_parallel.update(exp, settings, seed, act, value_clip)
+            in_step = self.data_parallel.update(exp, settings, seed, act, value_clip)
             group = self.data_parallel.group
-        if parts.critic is not None:
-            metrics |= update_critic(
-                parts.critic,
-                parts.critic_optimizer,
+        with in_step:
+            if parts.critic is not None:
+                metrics |= update_critic(
+                    parts.critic,
+                    parts.critic_optimizer,
+                    batch,
+                    exp.old_values,
+                    exp.returns,
+                    settings,
+                    clip=value_clip,
+                    generator=torch.Generator().manual_seed(seed + 1),
+                    group=group,
+                )
+                if not act:
+                    metrics["timing_s/update"] = time.perf_counter() - t_update
+                    return metrics | reloaded
+            generator = torch.Generator().manual_seed(seed)
+            metrics |= update_policy(
+                parts.policy,
+                parts.optimizer,
                 batch,
-                exp.old_values,
-                exp.returns,
+                advantages,
                 settings,
-                clip=value_clip,
-                generator=torch.Generator().manual_seed(seed + 1),
+                old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs,
+                generator=generator,
                 group=group,
             )
-            if not act:
-                metrics["timing_s/update"] = time.perf_counter() - t_update
-                return metrics | reloaded
-        generator = torch.Generator().manual_seed(seed)
-        metrics |= update_policy(
-            parts.policy,
-            parts.optimizer,
-            batch,
-            advantages,
-            settings,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            generator=generator,
-            group=group,
-        )
         metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
         metrics["timing_s/update"] = time.perf_counter() - t_update
         if parts.mtp is not None:  # the draft heads learn the updated policy's hidden states

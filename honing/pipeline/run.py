@@ -131,18 +131,18 @@ def train_here(config: Config, run_dir: Path, resume: str = "auto", log=None) ->
     parts = build_components(config, log=log)
     group = data_parallel.init(parts.device)  # torchrun with several ranks
     try:
+        result, ended_well = {}, True
         if group is not None and data_parallel.world()[0] != 0:
-            data_parallel.follow(parts, group)  # rank 0 logs and checkpoints
-            result = {}
+            ended_well = data_parallel.follow(parts, group)  # rank 0 logs and checkpoints
         else:
             with data_parallel.lead(group, parts) as leader:
                 result = _train(
                     config, run_dir, parts, checkpoints, checkpoint, log, events, leader
                 )
-        data_parallel.leave(group, wait=True)
+        data_parallel.leave(group, wait=ended_well)  # all ranks together, unless one failed
         return result
     finally:
-        data_parallel.leave(group, wait=False)  # a failing rank: no-op after a clean leave
+        data_parallel.leave(group, wait=False)  # this rank failed; after a leave, nothing
         parts.scorer.close()
         close = getattr(parts.engine, "close", None)  # remote engines and Ray workers
         if close is not None:

@@ -6,6 +6,7 @@ can abort in C++ teardown: 1 run in 20 did in the two-rank run before it left)."
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -62,12 +63,14 @@ PPO = {  # two shuffled mini-batches a step: each rank must draw the same ones
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "steps, overrides",
-    [(1, {}), (2, PPO)],  # PPO: step 1 fits the critic alone, step 2 both
+    "steps, overrides, atol",
+    # PPO: step 1 fits the critic alone, step 2 both; step 2's advantages come from critics
+    # that differ by float rounding, which Adam's normalisation turns into ~3e-5 on a weight
+    [(1, {}, 1e-5), (2, PPO, 1e-4)],
     ids=["grpo", "ppo-critic"],
 )
 def test_two_ranks_train_the_steps_one_process_does(
-    tmp_path, micro_model_dir, digit_reward, steps, overrides
+    tmp_path, micro_model_dir, digit_reward, steps, overrides, atol
 ):
     args = (micro_model_dir, digit_reward)
     one, one_weights = train(tmp_path, "one", *args, ranks=1, steps=steps, **overrides)
@@ -82,7 +85,21 @@ def test_two_ranks_train_the_steps_one_process_does(
     assert ("critic/vf_loss" in one[0]) == bool(overrides)
     assert one_weights.keys() == two_weights.keys()
     for name, want in one_weights.items():
-        torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(two_weights[name], want, atol=atol, rtol=10 * atol)
+
+
+def test_when_rank_0_fails_every_rank_exits_without_waiting(tmp_path, micro_model_dir):
+    """A reward that raises stops rank 0 before any update: the other rank is told the run
+    failed and leaves at once; torchrun reports rank 0's error (no hang, no C++ abort)."""
+    reward = tmp_path / "boom.py"
+    reward.write_text(
+        "def boom(response, ground_truth, **context):\n    raise ValueError('boom')\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        train(tmp_path, "boom", micro_model_dir, f"{reward}:boom", ranks=2, steps=1)
+    assert time.monotonic() - started < 120
+    assert "boom" in str(failed.value) and "terminate called" not in str(failed.value)
 
 
 class Sent(Exception):
@@ -91,27 +108,51 @@ class Sent(Exception):
 
 @pytest.fixture
 def one_rank_group():
+    """A group made by the caller (a script that set up torch.distributed itself)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def test_a_rank_leaves_its_group_once(one_rank_group):
-    data_parallel.leave(one_rank_group, wait=True)
+@pytest.fixture
+def joined(monkeypatch):
+    """The group ``init`` joins under torchrun; one rank here (env:// would wait for two)."""
+    make = dist.init_process_group
+    monkeypatch.setattr(data_parallel, "world", lambda: (0, 2))
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kwargs: make("gloo", store=dist.HashStore(), rank=0, world_size=1),
+    )
+    yield data_parallel.init(torch.device("cpu"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_rank_leaves_the_group_it_joined_once(joined):
+    data_parallel.leave(joined, wait=True)
     assert not dist.is_initialized()
-    data_parallel.leave(one_rank_group, wait=False)  # the finally after a clean leave
+    data_parallel.leave(joined, wait=False)  # the finally after a clean leave
     data_parallel.leave(None, wait=True)  # one process: nothing to leave
 
 
-def test_the_others_are_told_the_run_ended_however_it_ends(one_rank_group, monkeypatch):
+def test_a_group_the_caller_made_is_left_to_it(one_rank_group):
+    data_parallel.leave(one_rank_group, wait=True)
+    assert dist.is_initialized()
+
+
+def test_the_others_are_told_how_the_run_ended(joined, monkeypatch):
     stops = []
-    monkeypatch.setattr(data_parallel.Leader, "stop", lambda self: stops.append(self))
+    monkeypatch.setattr(data_parallel.Leader, "stop", lambda self, failed: stops.append(failed))
     parts = type("Parts", (), {"critic": None})()
-    with data_parallel.lead(one_rank_group, parts) as leader:
+    with data_parallel.lead(joined, parts) as leader:
         assert leader.parts is parts
-    with pytest.raises(Sent), data_parallel.lead(one_rank_group, parts):
+    with pytest.raises(Sent), data_parallel.lead(joined, parts):
         raise Sent
-    assert len(stops) == 2
+    with pytest.raises(Sent), data_parallel.lead(joined, parts) as leader:
+        leader.updating = True  # failed inside an update: the others wait in its collectives
+        raise Sent
+    assert stops == [False, True]
     with data_parallel.lead(None, parts) as leader:  # one process: no leader
         assert leader is None
