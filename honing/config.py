@@ -253,7 +253,8 @@ class PipelineConfig:
     ray_address: str = _opt("")  # "" = start a local Ray instance; "auto" or host:port = join
     rollout_workers: int = _opt(2, ge=1)  # ray: actors sampling with the policy's weights
     reward_workers: int = _opt(1, ge=0)  # ray: actors scoring (0 = score in the trainer)
-    rollout_chunk: int = _opt(4, ge=1)  # ray: prompts per rollout task (load balancing unit)
+    rollout_chunk: int = _opt(4, ge=1)  # ray, torchrun: prompts per rollout task
+    spread_generation: bool = _opt(True)  # torchrun: every rank samples tasks (else rank 0)
     trainer_cpus: float = _opt(1.0, ge=0)  # ray: resources each actor asks for
     trainer_gpus: float = _opt(0.0, ge=0)
     rollout_cpus: float = _opt(1.0, ge=0)

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from honing.pipeline.components import Components
 from honing.pipeline.experience import Experience
+from honing.rollout.base import GenerationRequest, SamplingParams, chunked
+from honing.rollout.speculative import merge_metrics
 from honing.trainer.critic import update_critic
 from honing.trainer.update import update_policy
 
@@ -71,24 +73,36 @@ def leave(group, wait: bool) -> None:
 
 
 class Leader:
-    """Rank 0's side: sends each update's inputs (and, when needed, its whole state)."""
+    """Rank 0's side: sends each update's inputs and generation's shares (with its whole
+    state first, when the others' copy is out of date)."""
 
     def __init__(self, group, parts: Components):
         self.group, self.parts = group, parts
+        self.world = dist.get_world_size(group)
         self.send_state = True  # the others built their model from model.path: sync first
-        self.updating = False  # inside an update's collectives
+        self.busy = False  # inside collectives the others run too (an update, a generation)
 
     def weights_changed(self) -> None:
-        """Rank 0 loaded other weights (resume, rollback): send them with the next update."""
+        """Rank 0 loaded other weights (resume, rollback): send them with the next message."""
         self.send_state = True
 
     @contextmanager
+    def together(self, payload: dict):
+        """Sends ``payload`` (and rank 0's state when due); the body runs rank 0's part of
+        the work, in step with the others. Should the body fail, the others are inside its
+        collectives where no stop message reaches them: rank 0 just fails (torchrun then
+        stops them)."""
+        if self.send_state:
+            payload = payload | {"state": _state(self.parts)}
+            self.send_state = False
+        dist.broadcast_object_list([payload], src=0, group=self.group)
+        self.busy = True
+        yield
+        self.busy = False
+
     def update(self, exp: Experience, settings, seed: int, act: bool, value_clip: float):
-        """Sends the step's update (the critic's, when there is one, and if ``act`` the
-        policy's); the body runs rank 0's share, in step with the others. Should the body
-        fail, the others are inside its collectives where no stop message reaches them: rank
-        0 just fails (torchrun then stops them)."""
-        parts = self.parts
+        """``together`` for the step's update: the critic's, when there is one, and if
+        ``act`` the policy's."""
         payload = {
             "batch": replace(exp.batch, layouts={}),  # a rank makes its own rows' layouts
             "advantages": exp.advantages,
@@ -100,19 +114,75 @@ class Leader:
             "act": act,
             "settings": settings,
             "seed": seed,
-            "lr": [group["lr"] for group in parts.optimizer.param_groups],
+            "lr": [group["lr"] for group in self.parts.optimizer.param_groups],
         }
-        if self.send_state:
-            payload["state"] = _state(parts)
-            self.send_state = False
-        dist.broadcast_object_list([payload], src=0, group=self.group)
-        self.updating = True
-        yield
-        self.updating = False
+        return self.together(payload)
 
     def stop(self, failed: bool) -> None:
         """Tells the others the run ended, and whether it failed."""
         dist.broadcast_object_list([{"stop": failed}], src=0, group=self.group)
+
+
+class SpreadEngine:
+    """Rank 0's training engine under torchrun: each generate call is cut into tasks of
+    ``chunk`` prompts (each seeded by its position, as the Ray backend's are, so the samples
+    do not depend on the number of ranks) dealt to the ranks in turn; every rank samples its
+    tasks with its own copy of the policy, which updates keep equal to rank 0's, and rank 0
+    gathers them. Generation on another thread (``detached_copy``: the one_step and async
+    schedules) stays on rank 0."""
+
+    shares_policy = True
+
+    def __init__(self, leader: Leader, local, chunk: int):
+        self.leader, self.local, self.chunk = leader, local, chunk
+        self._reports, self._ranks = [], 0  # since the last take_report
+
+    @property
+    def weight_version(self) -> int:
+        return self.local.weight_version
+
+    def load_weights(self, version: int, state_dict: dict | None = None) -> None:
+        self.local.load_weights(version)  # the others' copies follow the updates
+
+    def detached_copy(self):
+        return self.local.detached_copy()
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams):
+        tasks = chunked(requests, params, self.chunk)
+        leader = self.leader
+        with leader.together({"generate": tasks}):
+            shares = gather_shares(self.local, tasks, leader.group, leader.world)
+        done = {}
+        for rollouts_by_task, report in shares:
+            done |= rollouts_by_task
+            self._reports.append(report)
+        self._ranks = max(self._ranks, sum(1 for by_task, _ in shares if by_task))
+        return [rollout for index in sorted(done) for rollout in done[index]]
+
+    def take_report(self):
+        """The ranks' engine reports as one, and ``rollout/generation_ranks``: how many
+        ranks sampled."""
+        reports, self._reports = self._reports, []
+        metrics = merge_metrics([metrics for metrics, _ in reports])
+        if self._ranks:
+            metrics["rollout/generation_ranks"] = float(self._ranks)
+        self._ranks = 0
+        return metrics, [event for _, events in reports for event in events]
+
+
+def gather_shares(engine, tasks: list, group, world: int) -> list | None:
+    """This rank's tasks (every ``world``-th, from its rank) sampled with ``engine``, gathered
+    on rank 0 as each rank's ({task index: rollouts}, engine report); None elsewhere."""
+    rank = dist.get_rank(group)
+    mine = {
+        index: engine.generate(requests, params)
+        for index, (requests, params) in enumerate(tasks)
+        if index % world == rank
+    }
+    share = (mine, engine.take_report())
+    shares = [None] * world if rank == 0 else None
+    dist.gather_object(share, shares, dst=0, group=group)
+    return shares
 
 
 def _state(parts: Components) -> dict:
@@ -127,12 +197,12 @@ def _state(parts: Components) -> dict:
 def lead(group, parts: Components) -> Iterator[Leader | None]:
     """Rank 0's ``Leader`` (None without other ranks). However the run ends, the others are
     told it ended and whether it failed, so none waits on the next update; unless it failed
-    inside an update, where they wait in its collectives instead (see ``Leader.update``)."""
+    inside their shared work, where they wait in its collectives instead (``together``)."""
     leader = Leader(group, parts) if group is not None else None
     try:
         yield leader
     except BaseException:
-        if leader is not None and not leader.updating:
+        if leader is not None and not leader.busy:
             leader.stop(failed=True)
         raise
     if leader is not None:
@@ -153,6 +223,9 @@ def follow(parts: Components, group) -> bool:
             _load(parts.policy, parts.optimizer, *state["policy"])
             if parts.critic is not None:
                 _load(parts.critic, parts.critic_optimizer, *state["critic"])
+        if "generate" in payload:
+            gather_shares(parts.engine, payload["generate"], group, dist.get_world_size(group))
+            continue
         for param_group, lr in zip(parts.optimizer.param_groups, payload["lr"], strict=True):
             param_group["lr"] = lr
         settings, seed = payload["settings"], payload["seed"]

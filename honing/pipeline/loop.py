@@ -30,11 +30,13 @@ from honing.monitor.system import system_metrics
 from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
 from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components, engine_weights
+from honing.pipeline.data_parallel import SpreadEngine
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
 from honing.pipeline.offload import Offloader
 from honing.pipeline.producer import RolloutProducer, check_supported
 from honing.pipeline.state import load_training_state, save_training_state, send_weights
+from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import update_critic
 from honing.trainer.mtp import train_mtp
 from honing.trainer.update import update_policy
@@ -59,6 +61,11 @@ class TrainLoop:
     ):
         self.data_parallel = data_parallel  # rank 0's Leader under torchrun, else None
         self.config = config
+        spread = data_parallel is not None and config.pipeline.spread_generation
+        spread = spread and parts.mtp is None  # the MTP heads train on rank 0 alone
+        if spread and isinstance(parts.engine, TransformersEngine):  # every rank samples
+            chunk = config.pipeline.rollout_chunk
+            parts = replace(parts, engine=SpreadEngine(data_parallel, parts.engine, chunk))
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
@@ -239,7 +246,7 @@ class TrainLoop:
             send_weights(parts, step)
         else:  # the producer's engine gets them on its own thread
             parts.val_engine.load_weights(step)
-            weights = engine_weights(parts.policy, parts.engine, parts.mtp)
+            weights = engine_weights(parts.policy, self.producer.engine, parts.mtp)
             weights = {k: v.detach().clone() for k, v in weights.items()}
             self.producer.publish(step, weights)
         t_end = time.perf_counter()

@@ -49,7 +49,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from honing.config import Config, PipelineConfig
 from honing.errors import ConfigError, UserError
-from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.base import GenerationRequest, SamplingParams, chunked
 from honing.rollout.mtp import MTP_PREFIX
 from honing.rollout.speculative import merge_metrics
 from honing.types import Rollout
@@ -543,13 +543,7 @@ class RayRolloutEngine(_Pool):
         self.weight_version = version
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
-        tasks = [
-            (
-                requests[start : start + self.chunk],
-                replace(params, seed=(params.seed * 1_000_003 + start) % (2**63)),
-            )
-            for start in range(0, len(requests), self.chunk)
-        ]
+        tasks = chunked(requests, params, self.chunk)
 
         def submit(worker: _Worker, task):
             version, ref = self._latest if self._latest else (self.weight_version, None)

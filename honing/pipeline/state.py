@@ -197,5 +197,7 @@ def send_weights(parts: Components, version: int) -> None:
     in-process validation engine shares the module (it records the version); a remote
     training engine is sent the weights."""
     parts.val_engine.load_weights(version)
-    if parts.engine is not parts.val_engine:
+    if parts.engine.shares_policy:
+        parts.engine.load_weights(version)
+    else:
         parts.engine.load_weights(version, engine_weights(parts.policy, parts.engine, parts.mtp))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from honing.types import Rollout
@@ -62,3 +62,17 @@ class RolloutEngine(Protocol):
     ) -> list[Rollout]: ...
 
     def load_weights(self, version: int, state_dict: dict | None = None) -> None: ...
+
+
+def chunked(
+    requests: list[GenerationRequest], params: SamplingParams, size: int
+) -> list[tuple[list[GenerationRequest], SamplingParams]]:
+    """``requests`` as tasks of ``size`` prompts, each with a seed of its own derived from
+    its position: the samples of a task do not depend on which worker or rank runs it."""
+    return [
+        (
+            requests[start : start + size],
+            replace(params, seed=(params.seed * 1_000_003 + start) % (2**63)),
+        )
+        for start in range(0, len(requests), size)
+    ]

@@ -1,5 +1,6 @@
 """``torchrun --nproc_per_node 2 -m honing.cli train``: two CPU ranks (gloo) train the same
-step as one process does: same batch, same loss, the same weights within float tolerance.
+steps as one process does: same batch, same loss, the same weights within float tolerance;
+with generation spread over the ranks, 2 and 3 ranks train the same steps.
 And a rank leaves its process group before it exits (one that exits holding a gloo group
 can abort in C++ teardown: 1 run in 20 did in the two-rank run before it left)."""
 
@@ -63,26 +64,37 @@ PPO = {  # two shuffled mini-batches a step: each rank must draw the same ones
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "steps, overrides, atol",
-    # PPO: step 1 fits the critic alone, step 2 both; step 2's advantages come from critics
-    # that differ by float rounding, which Adam's normalisation turns into ~3e-5 on a weight
-    [(1, {}, 1e-5), (2, PPO, 1e-4)],
-    ids=["grpo", "ppo-critic"],
+    "ranks, steps, overrides, atol",
+    [
+        # rank 0 samples every step's batch, as one process does. PPO: step 1 fits the
+        # critic alone, step 2 both; step 2's advantages come from critics that differ by
+        # float rounding, which Adam's normalisation turns into ~3e-5 on a weight.
+        ((1, 2), 2, PPO | {"pipeline.spread_generation": False}, 1e-4),
+        # every rank samples its share of tasks, seeded by position: the same samples for
+        # any number of ranks, so 2 and 3 ranks train the same steps.
+        ((2, 3), 2, {"pipeline.rollout_chunk": 1}, 1e-5),
+    ],
+    ids=["ppo-critic", "spread-generation"],
 )
-def test_two_ranks_train_the_steps_one_process_does(
-    tmp_path, micro_model_dir, digit_reward, steps, overrides, atol
+def test_ranks_train_the_steps_fewer_ranks_do(
+    tmp_path, micro_model_dir, digit_reward, ranks, steps, overrides, atol
 ):
     args = (micro_model_dir, digit_reward)
-    one, one_weights = train(tmp_path, "one", *args, ranks=1, steps=steps, **overrides)
-    two, two_weights = train(tmp_path, "two", *args, ranks=2, steps=steps, **overrides)
+    fewer, more = ranks
+    one, one_weights = train(tmp_path, "one", *args, ranks=fewer, steps=steps, **overrides)
+    two, two_weights = train(tmp_path, "two", *args, ranks=more, steps=steps, **overrides)
     assert len(one) == len(two) == steps
+    spread = overrides.get("pipeline.spread_generation", True)
+    for few, many in zip(one, two, strict=True):  # how many ranks sampled
+        assert few.get("rollout/generation_ranks", 1) == (fewer if spread else 1)
+        assert many.get("rollout/generation_ranks", 1) == (more if spread else 1)
     for a, b in zip(one, two, strict=True):
         assert a["critic/score/mean"] == b["critic/score/mean"]  # the same batch
         assert a.keys() == b.keys()
         for key in COMPARED:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    assert ("critic/vf_loss" in one[0]) == bool(overrides)
+    assert ("critic/vf_loss" in one[0]) == ("algorithm.advantage" in overrides)
     assert one_weights.keys() == two_weights.keys()
     for name, want in one_weights.items():
         torch.testing.assert_close(two_weights[name], want, atol=atol, rtol=10 * atol)
@@ -151,7 +163,7 @@ def test_the_others_are_told_how_the_run_ended(joined, monkeypatch):
     with pytest.raises(Sent), data_parallel.lead(joined, parts):
         raise Sent
     with pytest.raises(Sent), data_parallel.lead(joined, parts) as leader:
-        leader.updating = True  # failed inside an update: the others wait in its collectives
+        leader.busy = True  # failed inside shared work: the others wait in its collectives
         raise Sent
     assert stops == [False, True]
     with data_parallel.lead(None, parts) as leader:  # one process: no leader
