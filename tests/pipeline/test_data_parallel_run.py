@@ -28,7 +28,7 @@ OVERRIDES = BASE | {
 }
 
 
-def train(tmp_path, name, model_dir, reward, ranks: int, steps: int, **overrides):
+def train(tmp_path, name, model_dir, reward, ranks: int, steps: int, resume="never", **overrides):
     values = (
         OVERRIDES
         | overrides
@@ -39,7 +39,7 @@ def train(tmp_path, name, model_dir, reward, ranks: int, steps: int, **overrides
         }
     )
     command = ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
-    command += ["--output-dir", str(tmp_path / name), "--resume", "never"]
+    command += ["--output-dir", str(tmp_path / name), "--resume", resume]
     if ranks > 1:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
         launcher += ["--standalone"]  # a local rendezvous on a free port
@@ -98,6 +98,24 @@ def test_ranks_train_the_steps_fewer_ranks_do(
     assert one_weights.keys() == two_weights.keys()
     for name, want in one_weights.items():
         torch.testing.assert_close(two_weights[name], want, atol=atol, rtol=10 * atol)
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_as_they_would_have_continued(tmp_path, micro_model_dir, digit_reward):
+    """Stopped after step 1 and resumed, two ranks train step 2 as an uninterrupted run does:
+    rank 0's resumed weights and optimizer state reach the other rank before it samples."""
+    args = (micro_model_dir, digit_reward)
+    extra = {"pipeline.rollout_chunk": 1, "checkpoint.every": 1}
+    whole, whole_weights = train(tmp_path, "whole", *args, ranks=2, steps=2, **extra)
+    train(tmp_path, "cut", *args, ranks=2, steps=1, **extra)
+    resumed, weights = train(tmp_path, "cut", *args, ranks=2, steps=2, resume="auto", **extra)
+    assert [m["step"] for m in resumed] == [1, 2]
+    assert resumed[1]["rollout/generation_ranks"] == 2
+    assert resumed[1]["critic/score/mean"] == whole[1]["critic/score/mean"]
+    for key in COMPARED[:-1]:
+        assert resumed[1][key] == pytest.approx(whole[1][key], rel=1e-5, abs=1e-7), key
+    for name, want in whole_weights.items():
+        torch.testing.assert_close(weights[name], want, atol=1e-6, rtol=1e-5)
 
 
 def test_when_rank_0_fails_every_rank_exits_without_waiting(tmp_path, micro_model_dir):
