@@ -150,7 +150,7 @@ class SpreadEngine:
     def generate(self, requests: list[GenerationRequest], params: SamplingParams):
         tasks = chunked(requests, params, self.chunk)
         leader = self.leader
-        with leader.together({"generate": tasks}):
+        with leader.together({"generate": tasks, "version": self.local.weight_version}):
             shares = gather_shares(self.local, tasks, leader.group, leader.world)
         done = {}
         for rollouts_by_task, report in shares:
@@ -224,6 +224,7 @@ def follow(parts: Components, group) -> bool:
             if parts.critic is not None:
                 _load(parts.critic, parts.critic_optimizer, *state["critic"])
         if "generate" in payload:
+            parts.engine.load_weights(payload["version"])  # its copy is rank 0's: the label
             gather_shares(parts.engine, payload["generate"], group, dist.get_world_size(group))
             continue
         for param_group, lr in zip(parts.optimizer.param_groups, payload["lr"], strict=True):
