@@ -65,7 +65,11 @@ class TrainLoop:
         spread = spread and parts.mtp is None  # the MTP heads train on rank 0 alone
         if spread and isinstance(parts.engine, TransformersEngine):  # every rank samples
             chunk = config.pipeline.rollout_chunk
-            parts = replace(parts, engine=SpreadEngine(data_parallel, parts.engine, chunk))
+            parts = replace(
+                parts,
+                engine=SpreadEngine(data_parallel, parts.engine, chunk),
+                val_engine=SpreadEngine(data_parallel, parts.val_engine, chunk),
+            )
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
@@ -193,7 +197,7 @@ class TrainLoop:
     def _validate(self) -> dict[str, float]:
         parts = self.parts
         sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
-        return validate(
+        metrics = validate(
             parts.val_engine,
             parts.scorer,
             parts.val_prompts,
@@ -202,6 +206,10 @@ class TrainLoop:
             sampling,
             self.config.rollout.val_samples,
         )
+        if isinstance(parts.val_engine, SpreadEngine):  # validation spread over the ranks
+            ranks = parts.val_engine.take_report()[0].get("rollout/generation_ranks")
+            metrics |= {"val/generation_ranks": ranks} if ranks else {}
+        return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         parts, cfg = self.parts, self.config

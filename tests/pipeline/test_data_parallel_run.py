@@ -88,6 +88,10 @@ def test_ranks_train_the_steps_fewer_ranks_do(
     for few, many in zip(one, two, strict=True):  # how many ranks sampled
         assert few.get("rollout/generation_ranks", 1) == (fewer if spread else 1)
         assert many.get("rollout/generation_ranks", 1) == (more if spread else 1)
+    # the run ends with a validation, spread too: the same figures for any number of ranks
+    assert one[-1].get("val/generation_ranks", 1) == (fewer if spread else 1)
+    assert two[-1].get("val/generation_ranks", 1) == (more if spread else 1)
+    assert one[-1]["val/accuracy"] == two[-1]["val/accuracy"]
     for a, b in zip(one, two, strict=True):
         assert a["critic/score/mean"] == b["critic/score/mean"]  # the same batch
         assert a.keys() == b.keys()
