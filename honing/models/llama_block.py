@@ -89,19 +89,24 @@ def supports(model: nn.Module) -> bool | str:
     return True
 
 
+def adapted_weight(layer: nn.Module) -> torch.Tensor:
+    """A PEFT LoRA layer's weight with its active adapters merged in (PEFT's own delta, for
+    linear and embedding layers; a differentiable copy, the layer is not changed). Adapters
+    PEFT merged into the base weight already are in it."""
+    weight = layer.base_layer.weight
+    if not layer.disable_adapters and not layer.merged:
+        for name in layer.active_adapters:
+            if name in layer.scaling:  # lora_A (linear) or lora_embedding_A
+                weight = weight + layer.get_delta_weight(name).to(weight.dtype)
+    return weight
+
+
 def linear_params(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias; a LoRA layer's active adapters are merged into the weight (a copy: the
     same output as PEFT's forward up to floating-point reassociation)."""
     if type(linear) is nn.Linear:
         return linear.weight, linear.bias
-    base = linear.base_layer
-    weight = base.weight
-    if not linear.disable_adapters and not linear.merged:
-        for name in linear.active_adapters:
-            if name in linear.lora_A:
-                delta = linear.lora_B[name].weight @ linear.lora_A[name].weight
-                weight = weight + delta * linear.scaling[name]
-    return weight, base.bias
+    return adapted_weight(linear), linear.base_layer.bias
 
 
 def fused_linear(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

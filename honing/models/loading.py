@@ -190,18 +190,11 @@ def plain_weights(model) -> dict[str, torch.Tensor]:
     model: its state dict."""
     if not is_lora(model):
         return model.state_dict()
+    from honing.models.llama_block import adapted_weight
+
     check_mergeable(model)
     base = model.get_base_model()
-    merged = {}
-    for name, module in _adapted(base):
-        if module.merged_adapters:
-            raise ValueError(f"{name}: the adapters are merged into the weights already")
-        weight = module.base_layer.weight
-        if not module.disable_adapters:
-            for adapter in module.active_adapters:
-                if adapter in module.scaling:  # lora_A (linear) or lora_embedding_A
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-        merged[f"{name}.base_layer.weight"] = weight
+    merged = {f"{name}.base_layer.weight": adapted_weight(layer) for name, layer in _adapted(base)}
     out = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:

@@ -78,7 +78,6 @@ class Leader:
 
     def __init__(self, group, parts: Components):
         self.group, self.parts = group, parts
-        self.world = dist.get_world_size(group)
         self.send_state = True  # the others built their model from model.path: sync first
         self.busy = False  # inside collectives the others run too (an update, a generation)
 
@@ -151,7 +150,7 @@ class SpreadEngine:
         tasks = chunked(requests, params, self.chunk)
         leader = self.leader
         with leader.together({"generate": tasks, "version": self.local.weight_version}):
-            shares = gather_shares(self.local, tasks, leader.group, leader.world)
+            shares = gather_shares(self.local, tasks, leader.group)
         done = {}
         for rollouts_by_task, report in shares:
             done |= rollouts_by_task
@@ -170,10 +169,11 @@ class SpreadEngine:
         return metrics, [event for _, events in reports for event in events]
 
 
-def gather_shares(engine, tasks: list, group, world: int) -> list | None:
-    """This rank's tasks (every ``world``-th, from its rank) sampled with ``engine``, gathered
-    on rank 0 as each rank's ({task index: rollouts}, engine report); None elsewhere."""
-    rank = dist.get_rank(group)
+def gather_shares(engine, tasks: list, group) -> list | None:
+    """This rank's tasks (every world-size-th, from its rank) sampled with ``engine``,
+    gathered on rank 0 as each rank's ({task index: rollouts}, engine report); None
+    elsewhere."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = {
         index: engine.generate(requests, params)
         for index, (requests, params) in enumerate(tasks)
@@ -225,7 +225,7 @@ def follow(parts: Components, group) -> bool:
                 _load(parts.critic, parts.critic_optimizer, *state["critic"])
         if "generate" in payload:
             parts.engine.load_weights(payload["version"])  # its copy is rank 0's: the label
-            gather_shares(parts.engine, payload["generate"], group, dist.get_world_size(group))
+            gather_shares(parts.engine, payload["generate"], group)
             continue
         for param_group, lr in zip(parts.optimizer.param_groups, payload["lr"], strict=True):
             param_group["lr"] = lr

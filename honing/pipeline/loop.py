@@ -61,9 +61,12 @@ class TrainLoop:
     ):
         self.data_parallel = data_parallel  # rank 0's Leader under torchrun, else None
         self.config = config
-        spread = data_parallel is not None and config.pipeline.spread_generation
-        spread = spread and parts.mtp is None  # the MTP heads train on rank 0 alone
-        if spread and isinstance(parts.engine, TransformersEngine):  # every rank samples
+        if (
+            data_parallel is not None
+            and config.pipeline.spread_generation
+            and isinstance(parts.engine, TransformersEngine)
+            and parts.mtp is None  # the MTP heads train on rank 0 alone
+        ):  # every rank samples its share
             chunk = config.pipeline.rollout_chunk
             parts = replace(
                 parts,
