@@ -141,6 +141,17 @@ def test_a_bad_request_is_not_retried(servers, tokenizer):
         _token_id("hello")
 
 
+def on_servers(servers, mode: str) -> dict:
+    """Overrides for a 3-step run that samples from ``servers`` under schedule ``mode``."""
+    return {
+        "rollout.engine": "openai",
+        "rollout.endpoints": ",".join(servers),
+        "schedule.mode": mode,
+        "trainer.total_steps": 3,
+        "trainer.val_at_start": False,
+    }
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_training_samples_from_the_servers_and_sends_them_each_version(
     servers, micro_model_dir, digit_reward, tmp_path, mode, run_config
@@ -149,17 +160,7 @@ def test_training_samples_from_the_servers_and_sends_them_each_version(
 
     from honing.pipeline.run import train
 
-    cfg = run_config(
-        micro_model_dir,
-        digit_reward,
-        **{
-            "rollout.engine": "openai",
-            "rollout.endpoints": ",".join(servers),
-            "schedule.mode": mode,
-            "trainer.total_steps": 3,
-            "trainer.val_at_start": False,
-        },
-    )
+    cfg = run_config(micro_model_dir, digit_reward, **on_servers(servers, mode))
     train(cfg, tmp_path / "run", log=lambda message: None)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
@@ -266,21 +267,8 @@ def test_a_lora_run_sends_the_servers_its_policy_merged(
     peft = pytest.importorskip("peft")
     from honing.pipeline.run import train
 
-    cfg = run_config(
-        micro_model_dir,
-        digit_reward,
-        **{
-            "rollout.engine": "openai",
-            "rollout.endpoints": ",".join(servers),
-            "schedule.mode": mode,
-            "model.lora_rank": 4,
-            "trainer.lr": 5e-2,
-            "trainer.total_steps": 3,
-            "trainer.val_at_start": False,
-            "checkpoint.every": 1,
-            "checkpoint.keep": 3,
-        },
-    )
+    lora = {"model.lora_rank": 4, "trainer.lr": 5e-2, "checkpoint.every": 1, "checkpoint.keep": 3}
+    cfg = run_config(micro_model_dir, digit_reward, **on_servers(servers, mode) | lora)
     train(cfg, tmp_path / "run", log=lambda message: None)
     (version,) = {httpx.get(f"{url}/health").json()["weight_version"] for url in servers}
     # sync sends every version after its update; async the one step 3 was sampled with
