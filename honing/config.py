@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +31,13 @@ def _opt(
     lt: float | None = None,
     items: type | None = None,
     length: int | None = None,
+    urls: bool = False,
 ) -> Any:
     """A config field with validation metadata: choices, bounds (of a list's items too),
-    and for lists the type of the items and the required length."""
+    for lists the type of the items and the required length, and for ``urls`` strings a
+    comma-separated list of http(s) URLs."""
     meta = {
+        "urls": urls,
         "choices": choices,
         "ge": ge,
         "gt": gt,
@@ -83,7 +87,7 @@ class RolloutConfig:
     # transformers: in-process; openai: remote servers speaking the OpenAI completions API
     # with token ids and logprobs (vLLM, SGLang, honing serve rollout)
     engine: str = _opt("transformers", choices=("transformers", "openai"))
-    endpoints: str = _opt("")  # openai: server URLs, comma-separated
+    endpoints: str = _opt("", urls=True)  # openai: server URLs, comma-separated
     model_name: str = _opt("")  # openai: the served model's name (default: the first served)
     timeout_s: float = _opt(600.0, gt=0.0)  # openai: one completion request
     retries: int = _opt(2, ge=0)  # openai: other endpoints tried for a failed request
@@ -128,7 +132,8 @@ class RewardConfig:
     weights: dict = _opt({}, items=float)  # further reward functions added with a weight
     format_weight: float = _opt(0.0)  # weight of the built-in format reward (0 = off)
     on_error: str = _opt("fail", choices=("fail", "error", "zero", "drop"))  # error = fail
-    endpoint: str = _opt("")  # verifier service URL(s), comma-separated (VERIFIER_ENDPOINT)
+    # verifier service URL(s), comma-separated (VERIFIER_ENDPOINT)
+    endpoint: str = _opt("", urls=True)
     timeout_s: float = _opt(30.0, gt=0.0)  # one HTTP request to a verifier service
     retries: int = _opt(3, ge=0)  # further attempts of a failed request, on another replica
     request_items: int = _opt(64, ge=1)  # items per /score request
@@ -222,7 +227,7 @@ class MonitorConfig:
     # Alert rules, "CONDITION [for N steps] -> ACTION[, ...]" (honing/monitor/alerts.py):
     # too many non-finite updates in a row roll the run back to its last good checkpoint.
     alerts: list = _opt(["actor/skipped_updates > 0 for 3 steps -> rollback"], items=str)
-    webhook_url: str = _opt("")  # where the webhook action POSTs
+    webhook_url: str = _opt("", urls=True)  # where the webhook action POSTs
     max_rollbacks: int = _opt(3, ge=0)  # then a rollback action stops the run instead
 
 
@@ -308,6 +313,11 @@ def _suggest(key: str) -> str:
 
 def _field(key: str) -> dataclasses.Field:
     section, _, name = key.partition(".")
+    if section in SECTIONS and not name:
+        example = dataclasses.fields(SECTIONS[section])[0].name
+        raise ConfigError(
+            f"{key!r} is a section, not a key; set one of its keys, e.g. {section}.{example}"
+        )
     if section not in SECTIONS or not name:
         raise ConfigError(f"unknown config key {key!r}{_suggest(key)}")
     fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
@@ -404,7 +414,28 @@ def _coerce_dict(key: str, meta: Any, value: dict) -> dict:
     return out
 
 
+def _check_urls(key: str, value: str) -> None:
+    """Each comma-separated item of ``value`` is an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        try:
+            parts = urlsplit(item)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"{key}: {item!r} is not an http(s) URL; expected e.g. http://host:8080 "
+                "(several: comma-separated)"
+            )
+
+
 def _check_range(key: str, meta: Any, value: Any) -> None:
+    if meta.get("urls") and isinstance(value, str) and value.strip():
+        _check_urls(key, value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a finite number")
     if meta.get("choices") and value not in meta["choices"]:
         allowed = ", ".join(map(str, meta["choices"]))
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
@@ -427,22 +458,54 @@ def _flatten(tree: Any, prefix: str = "", source: str = "") -> dict[str, Any]:
         key = f"{prefix}{name}"
         if not prefix and isinstance(value, dict):
             flat.update(_flatten(value, f"{key}.", source))
+        elif not prefix and name in SECTIONS:
+            if value is not None:  # `rollout:` with nothing under it is an empty section
+                raise ConfigError(
+                    f"{source}: {name}: a section must be a mapping of its keys "
+                    f"(e.g. {name}.{dataclasses.fields(SECTIONS[name])[0].name}: ...), "
+                    f"got {type(value).__name__} {value!r}"
+                )
         else:
             flat[key] = value
     return flat
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (plain PyYAML keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"duplicate key {key!r} (also at line {seen[key]}); keep one",
+                    problem_mark=key_node.start_mark,
+                )
+            seen.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config into dotted keys; a missing or unreadable file is a ConfigError."""
+    """Read a YAML config into dotted keys; a missing or unreadable file, invalid YAML or a
+    key given twice is a ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         line = getattr(getattr(err, "problem_mark", None), "line", None)
         where = f"{path}:{line + 1}" if line is not None else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read as UTF-8 text ({err})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(tree).__name__}")
     return _flatten(from_guide_shape(tree, str(path)), source=str(path))
@@ -560,7 +623,7 @@ def from_guide_shape(tree: dict[str, Any], source: str = "config") -> dict[str, 
 def _parse_value(key: str, raw: str) -> Any:
     """A command-line or environment value, read as a YAML scalar or list."""
     try:
-        return yaml.safe_load(raw)
+        return _load(raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{key}: {raw!r} is not a valid value ({problem})") from None

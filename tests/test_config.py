@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from honing.config import (
+    SECTIONS,
     Config,
     build_config,
     dump_yaml,
@@ -242,7 +243,103 @@ def test_list_defaults_are_not_shared():
     assert first.trainer.betas is not second.trainer.betas
 
 
+# --- non-finite numbers ----------------------------------------------------------------------
+
+FLOAT_KEYS = [
+    f"{section}.{f.name}"
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if f.type == "float"
+]
+
+
+def test_every_float_key_is_checked():
+    assert len(FLOAT_KEYS) > 20 and "trainer.lr" in FLOAT_KEYS
+    assert "reward.format_weight" in FLOAT_KEYS  # no range of its own: finiteness still holds
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", ".inf", "1e999"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_non_finite_values(key, raw):
+    with pytest.raises(ConfigError, match=rf"^{key}: .* expected a finite number$"):
+        build_config(parse_overrides([f"{key}={raw}"]))
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.betas=[0.9, .nan]", "trainer.betas=[.inf, 0.9]", "reward.weights={format: .inf}"],
+)
+def test_float_items_of_lists_and_mappings_must_be_finite(override):
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        build_config(parse_overrides([override]))
+
+
+def test_large_finite_values_are_still_allowed():
+    config = build_config({"trainer.lr": 1e30, "reward.format_weight": -1e30})
+    assert config.trainer.lr == 1e30
+
+
+# --- endpoints -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["reward.endpoint", "rollout.endpoints", "monitor.webhook_url"])
+@pytest.mark.parametrize("bad", ["not-a-url", "ftp://x", "http://", "http://h:99x", "h:8080"])
+def test_endpoints_must_be_http_urls(key, bad):
+    with pytest.raises(ConfigError, match=rf"^{key}: '.*' is not an http\(s\) URL"):
+        build_config({key: bad})
+
+
+def test_endpoint_from_the_environment_is_checked_with_the_config():
+    with pytest.raises(ConfigError, match="reward.endpoint: 'not-a-url'"):
+        resolve_config(None, [], environ={"VERIFIER_ENDPOINT": "not-a-url"})
+
+
+def test_good_endpoints_pass():
+    urls = "http://127.0.0.1:8080, https://verifier.internal/score,"
+    assert build_config({"reward.endpoint": urls}).reward.endpoint == urls
+
+
 # --- YAML files ------------------------------------------------------------------------------
+
+
+def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("trainer:\n  lr: 0.001\n  seed: 3\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:4: .*duplicate key 'lr' \(also at line 2\)"):
+        load_yaml(path)
+
+
+def test_a_section_given_twice_in_yaml_is_an_error(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("trainer:\n  lr: 0.001\nrollout:\n  top_k: 2\ntrainer:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:5: .*duplicate key 'trainer'"):
+        load_yaml(path)
+
+
+@pytest.mark.parametrize("value", ["5", "[1, 2]", "fast"])
+def test_a_section_that_is_not_a_mapping_says_so(tmp_path, value):
+    path = tmp_path / "scalar.yaml"
+    path.write_text(f"rollout: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: rollout: a section must be a mapping"):
+        load_yaml(path)
+
+
+def test_an_empty_section_is_the_defaults(tmp_path):
+    path = tmp_path / "empty_section.yaml"
+    path.write_text("rollout:\ntrainer:\n  seed: 4\n")
+    assert resolve_config(str(path), [], environ={}).trainer.seed == 4
+
+
+def test_a_section_on_the_command_line_names_its_keys():
+    with pytest.raises(ConfigError, match="'rollout' is a section, not a key; set one of its"):
+        build_config(parse_overrides(["rollout=5"]))
+
+
+def test_a_config_file_that_is_not_text(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00trainer")
+    with pytest.raises(ConfigError, match=rf"^{path}: "):
+        load_yaml(path)
 
 
 def test_bad_yaml_names_file_and_line(tmp_path):
