@@ -101,8 +101,9 @@ class CheckpointManager:
             or local path); ``""`` for none. The mirror keeps every copy.
         mirror_every: Mirror the checkpoints whose step is a multiple of this (>= 1).
         on_event: Called as ``on_event(kind, **fields)`` for ``checkpoint_corrupt``,
-            ``checkpoint_verified``, ``checkpoint_failed``, ``checkpoint_mirrored``,
-            ``mirror_failed`` and ``checkpoint_from_mirror``; ``None`` drops them.
+            ``checkpoint_verified``, ``checkpoint_failed``, ``checkpoint_refused``,
+            ``checkpoint_mirrored``, ``mirror_failed`` and ``checkpoint_from_mirror``;
+            ``None`` drops them.
     """
 
     def __init__(
@@ -178,6 +179,11 @@ class CheckpointManager:
         if self.mirror is not None and step % self.mirror_every == 0:
             self._push_mirror(final, step)
         return final
+
+    def refuse(self, step: int, reason: str, **fields: Any) -> None:
+        """Records that the checkpoint of ``step`` was deliberately not written (its content
+        failed the caller's health check): a ``checkpoint_refused`` event."""
+        self._event("checkpoint_refused", step=step, root=str(self.root), reason=reason, **fields)
 
     def _write(self, step: int, write: Callable[[Path], None], manifest_from_writer: bool) -> Path:
         """Temporary directory -> files -> manifest -> fsync -> marker -> rename."""

@@ -7,7 +7,12 @@
         config.yaml         the run's resolved config when this checkpoint was written
         COMPLETE            written last by CheckpointManager: only then is it loadable
 
-Saving: a checkpoint that cannot be written (full disk) is reported by the manager as a
+Saving: a checkpoint whose weights are not all finite (a diverged run) is never written: the
+save is refused with a ``checkpoint_refused`` event, so ``--resume auto``, rollbacks and
+``honing checkpoints`` only ever see healthy weights. A refused save that was required (the
+final one, an alert's stop) ends the run with one line naming the last good checkpoint.
+
+A checkpoint that cannot be written (full disk) is reported by the manager as a
 ``checkpoint_failed`` event and leaves the previous checkpoints intact. The run then keeps
 training and tries again at the next scheduled save (room may come back, and stopping would
 lose the steps since the last checkpoint just the same), except when the save is required:
@@ -63,6 +68,10 @@ def save_training_state(
     """
     if required is None:
         required = step >= config.trainer.total_steps
+    bad, checked = non_finite_tensors(parts)
+    if bad:
+        _refuse(manager, step, bad, checked, required)
+        return None
 
     def write(directory: Path) -> None:
         save_model(parts.policy, parts.tokenizer, directory)
@@ -92,6 +101,44 @@ def save_training_state(
         if required:
             raise UserError(f"{err}; free some space, then resume with --resume auto") from None
         return None
+
+
+def trained_modules(parts: Components) -> dict[str, torch.nn.Module]:
+    """The modules a run trains, by role: the policy, and the critic and MTP heads when
+    present."""
+    modules = {"policy": parts.policy, "critic": parts.critic, "mtp": parts.mtp}
+    return {role: module for role, module in modules.items() if module is not None}
+
+
+def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
+    """Names of the trained parameters holding a NaN or an infinity (``role:name``), and the
+    number of parameters checked; one pass over the weights, a host sync per module."""
+    bad, checked = [], 0
+    for role, module in trained_modules(parts).items():
+        named = list(module.named_parameters())
+        checked += len(named)
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+        bad += [f"{role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok]
+    return bad, checked
+
+
+def _refuse(
+    manager: CheckpointManager, step: int, bad: list[str], checked: int, required: bool
+) -> None:
+    """Records why the checkpoint of ``step`` was not written; raises when it was required."""
+    reason = f"{len(bad)} of {checked} weight tensors hold NaN or infinity (first: {bad[0]})"
+    manager.refuse(step, reason, non_finite=len(bad), tensors=checked)
+    if required:
+        good = manager.latest_good()
+        raise UserError(
+            f"the weights at step {step} are not finite ({reason}); no checkpoint was written. "
+            + (
+                f"The last good checkpoint is {good}: resume from it with --resume {good} "
+                "and a smaller trainer.lr"
+                if good
+                else "No earlier checkpoint is good: start again with a smaller trainer.lr"
+            )
+        )
 
 
 def _load_weights(parts: Components, checkpoint: Path) -> None:
@@ -180,6 +227,12 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
             )
         parts.critic.load_state_dict(state["critic"])
         parts.critic_optimizer.load_state_dict(state["critic_optimizer"])
+    bad, _ = non_finite_tensors(parts)  # written by hand or by an older honing
+    if bad:
+        raise UserError(
+            f"checkpoint {checkpoint} holds weights that are not finite ({len(bad)} tensors, "
+            f"first: {bad[0]}); resume from an earlier one (honing checkpoints RUN_DIR)"
+        )
     # The optimizer's own lr is the scheduler's last value (not restored by LambdaLR).
     for group, lr in zip(parts.optimizer.param_groups, parts.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
