@@ -10,17 +10,48 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from honing.rewards import Scorer
 from honing.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from honing.types import Prompt, Rollout
 
+RESCORE_WAITS_S = (1.0, 2.0)  # pauses before each further try of the failed scores
+
 
 def _correct(
-    scorer: Scorer, prompts: dict[str, Prompt], rollouts: list[Rollout], rendered: dict[str, str]
-) -> list[bool]:
-    scores = scorer.score(prompts, rollouts, rendered)
-    return [s.ok and s.details.get("base_score", s.reward) >= 1.0 for s in scores]
+    scorer: Scorer,
+    prompts: dict[str, Prompt],
+    rollouts: list[Rollout],
+    rendered: dict[str, str],
+    failures: dict[str, int | str],
+) -> list[bool | None]:
+    """Per rollout: whether the answer is correct, or ``None`` when its score failed on
+    every try. A failed score is tried again after each of ``RESCORE_WAITS_S`` (a busy or
+    restarting service); what still fails is counted in ``failures`` (``count``,
+    ``retried``, ``reason``), or raised under ``reward.on_error=fail``, as in training."""
+    scores = scorer.score(prompts, rollouts, rendered, on_error="drop")
+    for wait in RESCORE_WAITS_S:
+        failed = [i for i, s in enumerate(scores) if not s.ok]
+        if not failed:
+            break
+        failures["retried"] = failures.get("retried", 0) + len(failed)
+        time.sleep(wait)
+        again = scorer.score(prompts, [rollouts[i] for i in failed], rendered, on_error="drop")
+        for index, score in zip(failed, again, strict=True):
+            scores[index] = score
+    failed = [i for i, s in enumerate(scores) if not s.ok]
+    if failed:
+        reason = str(scores[failed[0]].details.get("error"))
+        if scorer.on_error == "fail":
+            raise scorer.failure(rollouts[failed[0]].prompt_id, reason)
+        failures["count"] = failures.get("count", 0) + len(failed)
+        failures.setdefault("reason", reason)
+    return [s.details.get("base_score", s.reward) >= 1.0 if s.ok else None for s in scores]
+
+
+def _share(hits: int, known: int) -> float:
+    return hits / known if known else float("nan")
 
 
 def validate(
@@ -31,20 +62,44 @@ def validate(
     rendered: dict[str, str],
     sampling: SamplingParams,
     k: int,
+    on_event: Callable[..., None] | None = None,
 ) -> dict[str, float]:
-    """``val/accuracy`` (greedy), ``val/pass@k`` and ``val/mean@k`` over ``prompts``."""
+    """``val/accuracy`` (greedy), ``val/pass@k`` and ``val/mean@k`` over ``prompts``.
+
+    A score that still fails after its retries is left out of the denominators (a prompt
+    counts for pass@k when one of its answers is correct or all of them were scored) and
+    counted in ``val/score_errors`` (``val/score_retried``: the scores tried again);
+    ``on_event("val_score_errors", ...)`` then says how many
+    and why. When nothing could be scored the rates are NaN."""
     started = time.perf_counter()
     by_id = {p.id: p for p in prompts}
+    failures: dict[str, int | str] = {}
     requests = [GenerationRequest(p.id, prompt_ids[p.id], i) for i, p in enumerate(prompts)]
     greedy = engine.generate(requests, dataclasses.replace(sampling, n=1, greedy=True))
-    accuracy = _correct(scorer, by_id, greedy, rendered)
+    accuracy = _correct(scorer, by_id, greedy, rendered, failures)
     sampled = engine.generate(requests, dataclasses.replace(sampling, n=k, greedy=False))
-    correct = _correct(scorer, by_id, sampled, rendered)
+    correct = _correct(scorer, by_id, sampled, rendered, failures)
     per_prompt = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
+    passed = [any(c) or (None if None in c else False) for c in per_prompt]
+    count = int(failures.get("count", 0))
+    if count and on_event is not None:
+        on_event(
+            "val_score_errors",
+            count=count,
+            scored=len(greedy) + len(sampled) - count,
+            retried=failures.get("retried", 0),
+            reason=failures["reason"],
+        )
     return {
-        "val/accuracy": sum(accuracy) / len(prompts),
-        f"val/pass@{k}": sum(any(c) for c in per_prompt) / len(prompts),
-        f"val/mean@{k}": sum(correct) / len(correct),
+        "val/accuracy": _share(
+            sum(c is True for c in accuracy), sum(c is not None for c in accuracy)
+        ),
+        f"val/pass@{k}": _share(sum(p is True for p in passed), sum(p is not None for p in passed)),
+        f"val/mean@{k}": _share(
+            sum(c is True for c in correct), sum(c is not None for c in correct)
+        ),
+        "val/score_errors": float(count),
+        "val/score_retried": float(failures.get("retried", 0)),
         "timing_s/val": time.perf_counter() - started,
     }
 
@@ -80,6 +135,7 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
     from honing.pipeline.loop import step_seed
 
     path, m = Path(model_path), config.model
+    check_files(path, log)
     device = device_of(m.device)
     scorer = build_scorer(config)
     try:
@@ -112,8 +168,36 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
             train_sampling(config), seed=step_seed(config.trainer.seed, -1)
         )  # as the run validates (TrainLoop._validate)
         metrics = validate(
-            engine, scorer, val, prompt_ids, rendered, sampling, config.rollout.val_samples
+            engine,
+            scorer,
+            val,
+            prompt_ids,
+            rendered,
+            sampling,
+            config.rollout.val_samples,
+            on_event=lambda kind, **fields: log(
+                f"honing: {kind}: " + " ".join(f"{k}={v}" for k, v in fields.items())
+            ),
         )
     finally:
         scorer.close()
     return metrics | {"val/prompts": float(len(val))}
+
+
+def check_files(path, log) -> None:
+    """A checkpoint's files must match its manifest (as ``--resume`` checks); a directory
+    without one (a plain model directory) is loaded as it is, and said so."""
+    from honing.checkpoint.manifest import MANIFEST, verify
+    from honing.errors import ConfigError
+
+    if not path.is_dir():
+        raise ConfigError(f"--model {path}: no such directory")
+    if not (path / MANIFEST).exists():
+        log(f"note: {path} has no {MANIFEST} (not a honing checkpoint): its files are not checked")
+        return
+    problem = verify(path)
+    if problem is not None:
+        raise ConfigError(
+            f"--model {path}: the checkpoint is damaged ({problem}); evaluate another one "
+            "(honing checkpoints RUN_DIR lists them with their health)"
+        )

@@ -87,13 +87,13 @@ class TrainLoop:
         self._start_producer(start_step)
         try:
             if start_step == 0 and cfg.val_at_start:
-                self.logger.log_metrics(0, self._validate())
+                self.logger.log_metrics(0, self._validate(0))
             while step < cfg.total_steps:
                 step += 1
                 metrics = self.train_step(step)
                 last = step == cfg.total_steps
                 if last or (cfg.val_every and step % cfg.val_every == 0):
-                    metrics |= self._validate()
+                    metrics |= self._validate(step)
                 self.logger.log_metrics(step, metrics)
                 decision = alerting.after_step(step, metrics)
                 if decision is not None:
@@ -197,7 +197,7 @@ class TrainLoop:
                 parts.update = replace(parts.update, kl_coef=changes["kl_coef"])
         return step
 
-    def _validate(self) -> dict[str, float]:
+    def _validate(self, step: int) -> dict[str, float]:
         parts = self.parts
         sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
         metrics = validate(
@@ -208,6 +208,7 @@ class TrainLoop:
             parts.rendered,
             sampling,
             self.config.rollout.val_samples,
+            on_event=lambda kind, **fields: self.logger.log_event(kind, step=step, **fields),
         )
         if isinstance(parts.val_engine, SpreadEngine):  # validation spread over the ranks
             ranks = parts.val_engine.take_report()[0].get("rollout/generation_ranks")

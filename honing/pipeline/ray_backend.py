@@ -581,8 +581,8 @@ class RewardWorker:
     def ready(self) -> bool:
         return True
 
-    def score(self, prompts_by_id, rollouts, rendered):
-        scores = self.scorer.score(prompts_by_id, rollouts, rendered)
+    def score(self, prompts_by_id, rollouts, rendered, on_error=None):
+        scores = self.scorer.score(prompts_by_id, rollouts, rendered, on_error)
         return scores, self.scorer.last_latencies_ms, self.scorer.last_metrics
 
 
@@ -605,6 +605,7 @@ class RayScorer:
     def __init__(self, pool: RewardPool, local, owner: bool = True):
         self.pool, self.local, self.owner = pool, local, owner
         self.reward_fn = local.reward_fn  # load-time checks read it
+        self.on_error, self.failure = local.on_error, local.failure  # validation reads them
         self.last_latencies_ms: list[float] = []
         self.last_metrics: dict[str, float] = {}
 
@@ -612,7 +613,7 @@ class RayScorer:
         """Another view on the same workers (each scoring thread records its own calls)."""
         return RayScorer(self.pool, self.local, owner=False)
 
-    def score(self, prompts_by_id, rollouts, rendered_prompts=None):
+    def score(self, prompts_by_id, rollouts, rendered_prompts=None, on_error=None):
         rendered_prompts = rendered_prompts or {}
         count = max(len(self.pool.workers), 1)
         size = -(-len(rollouts) // count) or 1
@@ -624,6 +625,7 @@ class RayScorer:
                 {i: prompts_by_id[i] for i in ids},
                 shard,
                 {i: rendered_prompts[i] for i in ids if i in rendered_prompts},
+                on_error,
             )
 
         results = self.pool.run_tasks(shards, submit)

@@ -39,6 +39,27 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be made and written: its nearest existing ancestor (or itself)
+    is a writable directory. Checked before anything loads, so a bad ``--output-dir`` is one
+    line and nothing is written."""
+    probe = Path(os.path.abspath(run_dir))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(
+            f"--output-dir {run_dir}: {probe} is a file, not a directory; "
+            "choose another --output-dir"
+        )
+    for directory in (probe, probe / "checkpoints"):
+        if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+            raise UserError(
+                f"--output-dir {run_dir}: {directory} is not writable (read-only or not "
+                "yours); choose another --output-dir, or copy the run somewhere writable "
+                "and resume there"
+            )
+
+
 def _holds_run(run_dir: Path, checkpoints: CheckpointManager) -> bool:
     metrics = run_dir / "metrics.jsonl"
     return (metrics.exists() and metrics.stat().st_size > 0) or bool(checkpoints.complete_steps())
@@ -103,6 +124,7 @@ class EventBuffer:
 def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
     """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json).
     With ``pipeline.backend=ray`` the run goes on in a Ray actor (``ray_backend``)."""
+    check_run_dir(run_dir)
     if config.pipeline.backend == "ray":
         if data_parallel.world()[1] > 1:
             raise UserError(
@@ -167,8 +189,14 @@ def _train(
         if changed:
             log(f"config differs from the checkpoint's in: {', '.join(changed)}")
     # Everything loaded: from here on the run directory is written.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.yaml", dump_yaml(config))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", dump_yaml(config))
+    except OSError as err:  # a read-only mount, a full disk
+        raise UserError(
+            f"--output-dir {run_dir}: cannot write the run directory ({err.strerror or err}); "
+            "choose another --output-dir"
+        ) from None
     for leftover in checkpoints.cleanup_incomplete():
         log(f"removed an incomplete checkpoint left by a crash: {leftover}")
     abandoned = set_aside_newer(checkpoints, start, log)
@@ -224,8 +252,10 @@ def summary(run_dir: Path) -> dict:
                 }
             )
     last_step = max((m["step"] for m in lines), default=0)
-    if not curve:
-        return {"run_dir": str(run_dir), "last_step": last_step}
+    # scores that failed on every try, left out of the validation rates (events.jsonl)
+    errors = int(sum(m.get("val/score_errors") or 0 for m in lines))
+    if not curve:  # no validation, or none that could score anything
+        return {"run_dir": str(run_dir), "last_step": last_step, "val_score_errors": errors}
     first, last = curve[0], curve[-1]
     pass_key = next((k for k in first if k.startswith("val/pass@")), None)
     return {
@@ -238,5 +268,6 @@ def summary(run_dir: Path) -> dict:
         "pass_at_k_start": first.get(pass_key),
         "pass_at_k_end": last.get(pass_key),
         "seconds": last["seconds"],
+        "val_score_errors": errors,
         "curve": curve,
     }

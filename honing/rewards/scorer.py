@@ -88,6 +88,7 @@ class Scorer:
         prompts_by_id: dict[str, Prompt],
         rollouts: list[Rollout],
         rendered_prompts: dict[str, str] | None = None,
+        on_error: str | None = None,
     ) -> list[Score]:
         """One ``Score`` per rollout, in order.
 
@@ -96,6 +97,8 @@ class Scorer:
             rollouts: completions to score.
             rendered_prompts: the model's prompt text by id, passed as ``prompt=``; without
                 it the raw prompt text (message contents joined by newlines) is passed.
+            on_error: this call's failure policy instead of the scorer's own (validation
+                takes the failures back to retry them).
 
         Raises:
             RewardError: a reward call failed and ``on_error == "fail"``.
@@ -123,7 +126,8 @@ class Scorer:
             outcomes = [main[index]] + [results[index] for _, _, results in parts]
             failure = next((o for o in outcomes if isinstance(o, _ScoreFailure)), None)
             if failure is not None:
-                scores.append(self._failed(prompts_by_id[rollout.prompt_id], str(failure)))
+                prompt = prompts_by_id[rollout.prompt_id]
+                scores.append(self._failed(prompt, str(failure), on_error or self.on_error))
                 continue
             base, details = main[index]
             reward = base
@@ -151,14 +155,19 @@ class Scorer:
             if callable(close):
                 close()
 
-    def _failed(self, prompt: Prompt, reason: str) -> Score:
-        if self.on_error == "fail":
-            raise RewardError(
-                f"{reason} (prompt {prompt.id}); fix the function, or set reward.on_error "
-                "to 'zero' or 'drop' to record failures and continue"
-            )
-        reward = 0.0 if self.on_error == "zero" else math.nan
+    def _failed(self, prompt: Prompt, reason: str, on_error: str) -> Score:
+        if on_error in ("fail", "error"):
+            raise self.failure(prompt.id, reason)
+        reward = 0.0 if on_error == "zero" else math.nan
         return Score(reward=reward, ok=False, details={"error": reason})
+
+    @staticmethod
+    def failure(prompt_id: str, reason: str) -> RewardError:
+        """The error a failed score raises under ``on_error=fail``."""
+        return RewardError(
+            f"{reason} (prompt {prompt_id}); fix the function, or set reward.on_error "
+            "to 'zero' or 'drop' to record failures and continue"
+        )
 
 
 def score_items(

@@ -39,3 +39,27 @@ def test_the_command_prints_and_writes_the_metrics(tmp_path, micro_model_dir, ca
     assert json.loads(out.read_text())["val/prompts"] == 4
     assert cli.main(["eval", "--model", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_refused(tmp_path, micro_model_dir, digit_reward, capsys):
+    config = small_run_config(micro_model_dir, digit_reward, **{"trainer.total_steps": 1})
+    train(config, tmp_path / "run", log=lambda m: None)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    for offset in range(len(data) - 16, len(data)):  # 16 flipped bytes in the last weights
+        data[offset] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    args = ["eval", f"model.path={micro_model_dir}", f"reward.function={digit_reward}"]
+    assert cli.main(args + ["--model", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {checkpoint}: the checkpoint is damaged" in err
+    assert "model.safetensors: sha256 differs from the manifest" in err
+
+
+def test_a_model_directory_without_a_manifest_is_said_to_be_unchecked(micro_model_dir, capsys):
+    args = ["eval", f"model.path={micro_model_dir}", "data.val_size=2", "rollout.val_samples=1"]
+    assert cli.main(args + ["--model", str(micro_model_dir)]) == 0
+    assert "has no manifest.json (not a honing checkpoint): its files are not checked" in (
+        capsys.readouterr().err
+    )
