@@ -7,8 +7,10 @@ requests of ``request_items`` each (``{"items": [...]}`` → ``{"results": [{"sc
 
 What keeps scores flowing when a service misbehaves:
 
-- every request has a timeout; a failed one (connection error, timeout, 5xx, 429) is retried
-  up to ``retries`` times with exponential backoff, on another replica when there is one;
+- every request has a timeout; a failed one (connection error, timeout, 5xx) is retried up to
+  ``retries`` times with exponential backoff and jitter, on another replica when there is
+  one; a busy answer (429, 503) is retried after the ``Retry-After`` it gives (else the
+  backoff) for as long as that stays within ``timeout_s``;
 - replicas are load-balanced (fewest requests in flight); a replica that fails
   ``eject_after`` requests in a row is ejected for ``eject_s`` (doubling on each ejection, at
   most a minute) and gets traffic again after that;
@@ -28,9 +30,11 @@ A bearer token is read from ``HONING_VERIFIER_TOKEN`` (kept out of config files)
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import json
 import os
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -73,7 +77,7 @@ class VerifierClient:
         eject_s: first ejection's length.
         breaker_failures: consecutive failed requests (all replicas) that open the circuit.
         breaker_s: how long an open circuit fails requests at once.
-        backoff_s: first retry's wait; doubles per attempt.
+        backoff_s: first retry's wait; doubles per attempt (times a jitter of 0.5-1.5).
     """
 
     name = "verifier-service"
@@ -106,6 +110,7 @@ class VerifierClient:
         self._consecutive_failures = 0
         self._circuit_open_until = 0.0
         self._next = 0
+        self._jitter = random.Random()
         token = os.environ.get("HONING_VERIFIER_TOKEN", "")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._loop = asyncio.new_event_loop()
@@ -159,48 +164,70 @@ class VerifierClient:
         return scored
 
     async def _request(self, items: list[dict]) -> list[Any]:
-        """POST one chunk, with retries across replicas; per-item results."""
-        last_error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
+        """POST one chunk, with retries across replicas; per-item results.
+
+        A failure (unreachable, timeout, 5xx) uses one of ``retries``; a busy answer (429 or
+        503) does not, but is tried again only while the wait it asks for (``Retry-After``,
+        else the backoff) ends within ``timeout_s`` of the first attempt."""
+        last_error, failures, busy, attempts, wait = "", 0, 0, 0, 0.0
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if attempts:
                 self.last_metrics["reward/retries"] += 1
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(wait)
             now = time.monotonic()
             if now < self._circuit_open_until:
                 raise VerifierUnavailable(
                     f"verifier circuit open after {self._consecutive_failures} failed requests "
-                    f"in a row (last: {last_error or 'see earlier errors'}); retrying in "
-                    f"{self._circuit_open_until - now:.1f} s"
+                    f"in a row (last: {last_error or 'see earlier errors'}); requests fail at "
+                    f"once for another {self._circuit_open_until - now:.1f} s"
                 )
             replica = self._pick(now)
             replica.in_flight += 1
             start = time.perf_counter()
             self.last_metrics["reward/requests"] += 1
+            attempts += 1
             try:
                 answer = await self._http.post(
                     replica.url, json={"items": items}, headers=self._headers
                 )
             except httpx.HTTPError as exc:
                 last_error = f"{replica.url} unreachable ({type(exc).__name__}: {exc})"
-                self._failed(replica)
-                continue
+                answer = None
             finally:
                 replica.in_flight -= 1
                 self.last_latencies_ms.append((time.perf_counter() - start) * 1000.0)
-            if answer.status_code == 200:
+            if answer is not None and answer.status_code == 200:
                 results = _parse_results(answer, len(items), replica.url)
                 self._succeeded(replica)
                 return results
-            last_error = f"HTTP {answer.status_code} from {replica.url}: {answer.text[:200]}"
-            if answer.status_code in (429, 503):  # busy: back off, try elsewhere, no ejection
+            if answer is not None:
+                last_error = f"HTTP {answer.status_code} from {replica.url}: {answer.text[:200]}"
+            if answer is not None and answer.status_code in (429, 503):
+                # busy: no ejection, and not a failure; wait as asked (or back off) and retry
                 self.last_metrics["reward/errors"] += 1
+                busy += 1
+                asked = retry_after_s(answer.headers.get("retry-after"))
+                wait = asked if asked is not None else self._backoff(failures + busy)
+                if time.monotonic() + wait > deadline:
+                    raise VerifierUnavailable(
+                        f"{last_error}: still busy after {attempts} attempt(s) within "
+                        f"reward.timeout_s={self.timeout_s:g} s"
+                    )
                 continue
-            if answer.status_code >= 500:
-                self._failed(replica)
-                continue
-            self.last_metrics["reward/errors"] += 1
-            raise VerifierUnavailable(last_error)  # 4xx: the request itself is wrong
-        raise VerifierUnavailable(f"{last_error} after {self.retries + 1} attempt(s)")
+            if answer is not None and answer.status_code < 500:
+                self.last_metrics["reward/errors"] += 1
+                raise VerifierUnavailable(last_error)  # 4xx: the request itself is wrong
+            self._failed(replica)
+            failures += 1
+            if failures > self.retries:
+                raise VerifierUnavailable(f"{last_error} after {attempts} attempt(s)")
+            wait = self._backoff(failures)
+
+    def _backoff(self, failures: int) -> float:
+        """Exponential backoff with jitter (0.5-1.5x), so clients that failed together do
+        not all come back at the same instant."""
+        return self.backoff_s * 2 ** (failures - 1) * self._jitter.uniform(0.5, 1.5)
 
     def _pick(self, now: float) -> _Replica:
         """The healthy replica with fewest requests in flight (round-robin on ties); when all
@@ -264,6 +291,24 @@ _COUNTERS = (
     "reward/ejections",
     "reward/failed_items",
 )
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header as seconds from now (a number of seconds or an HTTP date);
+    ``None`` when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _cache_key(item: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from honing.rewards import Scorer
-from honing.rewards.remote import VerifierClient, VerifierUnavailable, score_url
+from honing.rewards.remote import VerifierClient, VerifierUnavailable, retry_after_s, score_url
 from honing.types import Prompt, Rollout
 
 
@@ -22,6 +22,8 @@ class _Handler(BaseHTTPRequestHandler):
         status = server.statuses.pop(0) if server.statuses else 200
         if status != 200:
             self.send_response(status)
+            if server.retry_after is not None:
+                self.send_header("Retry-After", server.retry_after)
             self.end_headers()
             self.wfile.write(b"nope")
             return
@@ -43,9 +45,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def _start(statuses=()):
+def _start(statuses=(), retry_after=None):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     httpd.calls, httpd.sizes, httpd.auth, httpd.statuses = 0, [], [], list(statuses)
+    httpd.retry_after = retry_after
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
@@ -108,6 +111,46 @@ def test_gives_up_with_a_reason_and_the_scorer_counts_it():
     assert not score.ok and score.reward == 0.0 and "HTTP 500" in score.details["error"]
     client.close()
     httpd.shutdown()
+
+
+def test_a_busy_service_is_waited_for_as_long_as_it_asks():
+    httpd, url = _start(statuses=[503, 429], retry_after="1")
+    client = VerifierClient(url, retries=0, backoff_s=0.01, timeout_s=10)
+    start = time.perf_counter()
+    [result] = client.score_batch(_items(("7", "7")))
+    elapsed = time.perf_counter() - start
+    assert result["score"] == 1.0 and httpd.calls == 3  # busy answers use no retries
+    assert 2.0 <= elapsed < 5.0  # waited the 1 s asked, twice (not 0.01 s)
+    assert client.last_metrics["reward/retries"] == 2
+    client.close()
+    httpd.shutdown()
+
+
+def test_a_wait_past_the_timeout_fails_at_once_with_the_reason():
+    httpd, url = _start(statuses=[503] * 5, retry_after="60")
+    client = VerifierClient(url, retries=3, timeout_s=2)
+    start = time.perf_counter()
+    [result] = client.score_batch(_items(("7", "7")))
+    assert time.perf_counter() - start < 1.0 and httpd.calls == 1
+    assert isinstance(result, VerifierUnavailable)
+    assert "HTTP 503" in str(result) and "still busy" in str(result)
+    client.close()
+    httpd.shutdown()
+
+
+def test_retry_after_in_seconds_or_as_a_date():
+    assert retry_after_s("3") == 3.0 and retry_after_s("-1") == 0.0
+    soon = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
+    assert 25 < retry_after_s(soon) <= 30
+    assert retry_after_s("soon") is None and retry_after_s(None) is None
+
+
+def test_backoff_doubles_with_jitter():
+    client = VerifierClient("http://127.0.0.1:9", backoff_s=1.0)
+    first, third = [client._backoff(1) for _ in range(50)], [client._backoff(3) for _ in range(50)]
+    assert all(0.5 <= w <= 1.5 for w in first) and all(2.0 <= w <= 6.0 for w in third)
+    assert len(set(first)) > 1  # not every client comes back at the same instant
+    client.close()
 
 
 def test_client_errors_are_not_retried():
