@@ -21,6 +21,8 @@ class Prompt:
         ground_truth: ``reward_model.ground_truth`` of the row; what verifiers compare to.
         data_source: which task or dataset the row came from; verifiers may dispatch on it.
         extra_info: anything else the row carried, passed through to reward functions.
+        origin: where the row was read (``file:line``), for error messages; "" for built-in
+            tasks.
     """
 
     id: str
@@ -28,6 +30,7 @@ class Prompt:
     ground_truth: Any
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    origin: str = field(default="", compare=False)
 
 
 @dataclass

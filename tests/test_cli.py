@@ -14,12 +14,16 @@ import pytest
 from honing.config import ENV_KEYS
 
 
-def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+def run_train(
+    tmp_path, *args: str, env: dict | None = None, wrap=()
+) -> subprocess.CompletedProcess:
+    """``honing train ARGS`` in a subprocess (``env`` added to a clean environment; ``wrap``:
+    a command the process runs under)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS} | (env or {})
     env["HONING_CACHE"] = str(tmp_path / "cache")
     env["TOKENIZERS_PARALLELISM"] = "false"
     return subprocess.run(
-        [sys.executable, "-m", "honing.cli", "train", *args],
+        [*wrap, sys.executable, "-m", "honing.cli", "train", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,

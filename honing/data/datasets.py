@@ -73,7 +73,7 @@ def load_prompts(paths: list[str], *, on_bad_row: str = "error") -> tuple[list[P
                 if isinstance(row, _BadRow):
                     raise row
                 prompt = _row_to_prompt(
-                    row, default_source=stem, id_prefix=basename, position=position
+                    row, default_source=stem, id_prefix=basename, position=position, where=where
                 )
                 if prompt.id in seen_ids:
                     raise _BadRow(
@@ -155,7 +155,9 @@ def _read_parquet(path: str) -> Iterator[tuple[str, int, dict[str, Any] | _BadRo
         yield f"{path}: row {index}", index, row
 
 
-def _row_to_prompt(row: Any, *, default_source: str, id_prefix: str, position: int) -> Prompt:
+def _row_to_prompt(
+    row: Any, *, default_source: str, id_prefix: str, position: int, where: str = ""
+) -> Prompt:
     """Validate one row against verl's schema and build its ``Prompt``.
 
     The id is ``f"{id_prefix}:{extra_info['index']}"`` when the row has an index (stable
@@ -181,6 +183,7 @@ def _row_to_prompt(row: Any, *, default_source: str, id_prefix: str, position: i
         ground_truth=_ground_truth(row),
         data_source=data_source,
         extra_info=dict(extra_info),
+        origin=where,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -36,13 +37,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_model_dir(path: str | Path) -> Path:
+def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
+    """``path`` as a model directory: a ``config.json`` that is a JSON object, else a
+    ConfigError naming ``key`` (checked before the tokenizer, which reads it too)."""
     path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise ConfigError(
-            f"model.path: {path} is not a Hugging Face model directory (no config.json); "
+            f"{key}: {path} is not a Hugging Face model directory (no config.json); "
             "give a local directory or builtin:tiny"
         )
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: {config} is not valid JSON ({_first_line(err)})") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{key}: {config} is not a JSON object")
     return path
 
 
@@ -75,13 +85,14 @@ def load_causal_lm(
     trust_remote_code: bool = False,
 ):
     """Load a causal LM for training; grow its embeddings if the tokenizer gained a pad token."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # missing, torn, wrong
         raise ConfigError(
             f"model.path: cannot load a causal LM from {path} ({_first_line(err)}); expected "
             "config.json and weights (*.safetensors or pytorch_model.bin)"

@@ -131,21 +131,43 @@ def load_datasets(config: Config) -> tuple[list[Prompt], list[Prompt], int]:
     return train, val, 0
 
 
+# Characters of a prompt tokenized before the whole of it: any real vocabulary averages
+# far fewer characters per token, so a prefix this long that is already too long settles it.
+CHARS_PER_TOKEN_BOUND = 32
+
+
 def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
-    """Render (chat template when the tokenizer has one) and tokenize each distinct prompt."""
+    """Render (chat template when the tokenizer has one) and tokenize each distinct prompt.
+
+    A prompt of ``rollout.max_seq_len`` tokens or more is a DataError naming its file and line;
+    a very long one is found from its first ``CHARS_PER_TOKEN_BOUND * max_seq_len`` characters,
+    without tokenizing all of it."""
     rendered, ids = {}, {}
     special = not getattr(tokenizer, "chat_template", None)  # templates carry their own
+    prefix_chars = CHARS_PER_TOKEN_BOUND * max_seq_len
     for prompt in prompts:
         if prompt.id in ids:
             continue
-        rendered[prompt.id] = render_prompt(prompt, tokenizer)
-        ids[prompt.id] = tokenizer.encode(rendered[prompt.id], add_special_tokens=special)
-        if len(ids[prompt.id]) >= max_seq_len:
-            raise DataError(
-                f"prompt {prompt.id} has {len(ids[prompt.id])} tokens, not less than "
-                f"rollout.max_seq_len={max_seq_len}; raise it or shorten the prompt"
-            )
+        text = render_prompt(prompt, tokenizer)
+        if len(text) > prefix_chars:
+            head = tokenizer.encode(text[:prefix_chars], add_special_tokens=special)
+            if len(head) >= max_seq_len:
+                _too_long(
+                    prompt, f"at least {len(head)} tokens ({len(text)} characters)", max_seq_len
+                )
+        tokens = tokenizer.encode(text, add_special_tokens=special)
+        if len(tokens) >= max_seq_len:
+            _too_long(prompt, f"{len(tokens)} tokens", max_seq_len)
+        rendered[prompt.id], ids[prompt.id] = text, tokens
     return rendered, ids
+
+
+def _too_long(prompt: Prompt, size: str, max_seq_len: int) -> None:
+    where = prompt.origin or f"prompt {prompt.id}"
+    raise DataError(
+        f"{where}: the prompt has {size}, not less than rollout.max_seq_len={max_seq_len}; "
+        "raise it or shorten the prompt"
+    )
 
 
 def build_scorer(config: Config) -> Scorer:
@@ -304,7 +326,9 @@ def build_components(config: Config, log=print) -> Components:
         reference = frozen_model(model_path, tokenizer, config, device)
     critic = critic_optimizer = None
     if config.algorithm.advantage == "gae":
-        critic_dir = check_model_dir(m.critic_path) if m.critic_path else model_path
+        critic_dir = (
+            check_model_dir(m.critic_path, "model.critic_path") if m.critic_path else model_path
+        )
         backbone = load_causal_lm(
             critic_dir,
             tokenizer,
@@ -456,7 +480,9 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     if rollout.speculative == "draft":
         if not rollout.spec_draft:
             raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")
-        draft = frozen_model(check_model_dir(rollout.spec_draft), tokenizer, config, device)
+        draft = frozen_model(
+            check_model_dir(rollout.spec_draft, "rollout.spec_draft"), tokenizer, config, device
+        )
         reason = supports(draft)
         if reason is not True:
             raise ConfigError(f"rollout.spec_draft: the draft must be Llama-family ({reason})")
