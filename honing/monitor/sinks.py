@@ -128,11 +128,34 @@ def truncate_jsonl(path: str | Path, step: int) -> int:
     return dropped
 
 
+def _torn_tail(path: Path) -> tuple[int, bytes] | None:
+    """``(offset, bytes)`` of the text after a file's last newline, when it does not end with
+    one; ``None`` for a missing or empty file or one that ends with a newline."""
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with path.open("rb") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        handle.seek(end - 1)
+        if handle.read(1) == b"\n":
+            return None
+        position, tail = end, b""
+        while position > 0:  # back to the last newline, a block at a time
+            size = min(1 << 16, position)
+            position -= size
+            handle.seek(position)
+            tail = handle.read(size) + tail
+            newline = tail.rfind(b"\n")
+            if newline >= 0:
+                return position + newline + 1, tail[newline + 1 :]
+        return 0, tail
+
+
 class JsonlSink:
     """Appends one JSON object per line to a file (``metrics.jsonl`` and friends).
 
-    Opening an existing file appends to it; if its last line was torn by a crash (no final
-    newline), a newline is added first so the next record starts on its own line.
+    Opening an existing file appends to it. A last line without its final newline was torn
+    by a crash: it is cut off when it is not valid JSON, else given its newline, so the next
+    record starts on a line of its own and the file holds only whole records.
 
     Args:
         path: The file; its parent directory is created if missing.
@@ -144,13 +167,16 @@ class JsonlSink:
         self._file = self._open()
 
     def _open(self) -> Any:
-        needs_newline = False
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with self.path.open("rb") as existing:
-                existing.seek(-1, os.SEEK_END)
-                needs_newline = existing.read(1) != b"\n"
+        tail = _torn_tail(self.path)
+        if tail is not None:
+            start, text = tail
+            try:
+                json.loads(text)
+            except ValueError:
+                os.truncate(self.path, start)  # half a record: drop it
+                tail = None
         handle = self.path.open("a", encoding="utf-8")
-        if needs_newline:
+        if tail is not None:
             handle.write("\n")
             handle.flush()
         return handle

@@ -68,16 +68,38 @@ def test_jsonl_sink_appends_to_an_existing_file(tmp_path):
     assert [record["step"] for record in read_jsonl(path)] == [1, 2]
 
 
-def test_jsonl_sink_starts_a_new_line_after_a_torn_one(tmp_path):
-    path = tmp_path / "metrics.jsonl"
+def test_jsonl_sink_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "events.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo', encoding="utf-8")
     sink = JsonlSink(path)
     sink.write(2, {"loss": 2.0})
     sink.close()
 
     lines = path.read_text(encoding="utf-8").splitlines()
-    assert lines[1] == '{"step": 2, "lo'
-    assert json.loads(lines[2])["loss"] == 2.0
+    assert [json.loads(line)["loss"] for line in lines] == [1.0, 2.0]
+
+
+def test_jsonl_sink_keeps_a_whole_last_record_without_its_newline(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}', encoding="utf-8")
+    sink = JsonlSink(path)
+    sink.write(2, {"loss": 2.0})
+    sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_jsonl_sink_drops_a_torn_line_longer_than_a_block(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"step": 1}\n{"response": "' + "x" * 200_000, encoding="utf-8")
+    JsonlSink(path).close()
+    assert path.read_text(encoding="utf-8") == '{"step": 1}\n'
+
+
+def test_jsonl_sink_drops_a_file_of_one_torn_line(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"kind": "resu')
+    JsonlSink(path).close()
+    assert path.read_bytes() == b""
 
 
 def test_jsonl_sink_refuses_writes_after_close(tmp_path):
