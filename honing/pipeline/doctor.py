@@ -1,15 +1,17 @@
 """``honing doctor``: check every configured part, then run one step end to end.
 
 The cold-start test of the deployment guides, as one command: the config's names, the data,
-the reward functions and every verifier service's ``/health``, the disk space checkpoints
-will need, the GPU, the model and tokenizer (pad ≠ eos), and finally one batch through
-generate → score → update in a scratch directory (nothing is written to a run directory).
+the reward functions, every verifier service's and rollout server's ``/health``, the disk
+space checkpoints will need, the GPU, the model and tokenizer (pad ≠ eos), and finally one
+batch through generate → score → update in a scratch directory (nothing is written to a run
+directory).
 Each check is a row: passed, failed (with the reason) or skipped (with why); a failed check
 does not hide the ones after it, except that the one-step run needs everything before it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -98,7 +100,16 @@ def run_doctor(config: Config, output_dir: Path) -> list[Check]:
 
     doctor.run("reward", reward)
     for url in filter(None, (u.strip() for u in config.reward.endpoint.split(","))):
-        doctor.run(f"service {url}", lambda url=url: _service_health(url, config.reward.timeout_s))
+        base = score_url(url).removesuffix("/score")
+        token = os.environ.get("HONING_VERIFIER_TOKEN", "")
+        check = lambda base=base, token=token: _health(base, config.reward.timeout_s, token)  # noqa: E731
+        doctor.run(f"service {url}", check)
+    if config.rollout.engine == "openai":
+        for url in filter(None, (u.strip() for u in config.rollout.endpoints.split(","))):
+            base = url.rstrip("/").removesuffix("/v1")
+            token = os.environ.get("HONING_ROLLOUT_TOKEN", "")
+            check = lambda base=base, token=token: _health(base, config.rollout.timeout_s, token)  # noqa: E731
+            doctor.run(f"rollout server {url}", check)
     doctor.run("disk", lambda: _disk(config, output_dir))
     doctor.run("gpu", _gpu)
     if data_ok and all(c.status != "failed" for c in doctor.checks):
@@ -109,10 +120,11 @@ def run_doctor(config: Config, output_dir: Path) -> list[Check]:
     return doctor.checks
 
 
-def _service_health(url: str, timeout_s: float) -> str:
-    base = score_url(url).removesuffix("/score")
+def _health(base: str, timeout_s: float, token: str) -> str:
+    """``GET base/health`` (with the bearer token when one is set, for the details)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     start = time.perf_counter()
-    answer = httpx.get(f"{base}/health", timeout=min(timeout_s, 10.0))
+    answer = httpx.get(f"{base}/health", timeout=min(timeout_s, 10.0), headers=headers)
     answer.raise_for_status()
     health = answer.json()
     elapsed = 1000 * (time.perf_counter() - start)

@@ -45,3 +45,11 @@ def test_failures_are_rows_and_the_status_is_1(micro_model_dir, digit_reward, tm
     assert lines["service"].startswith("FAIL") and "ConnectError" in lines["service"]
     assert lines["model"].startswith("skip") and lines["one"].startswith("skip")
     assert out.splitlines()[-1].endswith("2 failed")
+
+
+def test_an_unreachable_rollout_server_is_a_row(micro_model_dir, digit_reward, capsys):
+    extra = ("rollout.engine=openai", "rollout.endpoints=http://127.0.0.1:9/v1")
+    assert main(_args(micro_model_dir, digit_reward, *extra)) == 1
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if "rollout server" in line]
+    assert row.startswith("FAIL") and "http://127.0.0.1:9/v1" in row and "ConnectError" in row
