@@ -16,21 +16,36 @@ count) and, without namespaces, the user's own files are readable and writable.
 
 Backends (``backend=``), detected once by actually running ``true`` through each:
 
-- ``bwrap`` (bubblewrap): new user, PID, network, IPC, UTS and mount namespaces; ``/`` bound
-  read-only; private ``/dev``, ``/proc``; empty tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm``
-  and ``$HOME``; only the working directory writable; no network (loopback only, empty).
-  Not isolated: other read-only files the uid may read (e.g. world-readable files under
-  ``/etc`` or the repository), CPU time beyond the rlimit, the kernel itself.
-- ``unshare`` (util-linux): the same namespaces, every existing mount remounted read-only, tmpfs
-  over ``/tmp``, ``/var/tmp``, ``/dev/shm``, all capabilities dropped (``setpriv``). Not
-  isolated: same as bwrap, and ``$HOME`` is read-only but visible.
+- ``bwrap`` (bubblewrap 0.5.0+, for ``--size``): new user, PID, network, IPC, UTS and mount
+  namespaces; ``/`` bound read-only; private ``/proc`` and ``/dev`` (read-only, its device
+  nodes usable); sized tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``$HOME``; the
+  working directory a sized tmpfs too, the only other writable place; no network (loopback
+  only, empty). An older bwrap, which cannot size a tmpfs (each would be half the machine's
+  memory), is reported as not working, so ``auto`` passes over it. Not isolated: other
+  read-only files the uid may read (e.g. world-readable files under ``/etc`` or the
+  repository), CPU time beyond the rlimit, the kernel itself.
+- ``unshare`` (util-linux): the same namespaces, every existing mount remounted read-only,
+  sized tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and as the working directory, all
+  capabilities dropped (``setpriv``). Not isolated: same as bwrap, and ``$HOME`` is read-only
+  but visible.
 - ``none``: rlimits, process group, uid switch when root, deadline. NOT isolated: network,
   the filesystem (readable where permissions allow; writable where the uid may write, e.g.
   ``/tmp``), other processes' visibility, and a child that calls ``setsid()`` and clears its
-  environment escapes the final kill sweep. A warning naming these is logged once.
+  environment escapes the final kill sweep. Nothing bounds what it writes but
+  ``RLIMIT_FSIZE`` per file: the total (many files, in the host's own ``/tmp``, ``/dev/shm``
+  or working directory) is unbounded, as capping it takes mounts it cannot make. A warning
+  naming these is logged once.
+
+Memory written to files: a tmpfs lives in the machine's memory (``Shmem`` in
+``/proc/meminfo``) and not in the address space, so ``Limits.memory_bytes`` does not see it.
+Each writable mount of bwrap and unshare is capped at ``Limits.tmpfs_bytes``; a run holds at
+most five of them (bwrap: ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$HOME``, working directory;
+unshare: four), 320 MiB with the default 64 MiB cap, beyond its address space, freed when it
+ends. The files given to ``run_sandboxed`` count against the working directory's cap.
 
 ``auto`` picks the first that works of bwrap, unshare, none. No backend limits disk bandwidth,
-memory outside the address-space rlimit (e.g. tmpfs writes count against the machine), or
+memory in memfd files (``RLIMIT_FSIZE`` each, at most ``RLIMIT_NOFILE`` of them open) or in
+SysV shared memory segments (none capped; freed with the IPC namespace after the run), or
 kernel exploits; for hostile code at scale use a VM or gVisor.
 """
 
@@ -60,12 +75,13 @@ _NONE_WARNING = (
     "a process group and a deadline only. NOT isolated: network, filesystem (reads where "
     "permitted, writes where the uid may write), process visibility"
 )
-# Remount everything read-only, hide world-writable dirs, re-expose the workdir (still our cwd).
+# Remount everything read-only, hide world-writable dirs under sized tmpfs ($1 bytes), and make
+# the workdir one too, holding a copy of the host's (still our cwd).
 _UNSHARE_SETUP = r"""
-cd "$0" || exit 97
+cd "$0" && size=$1 && shift || exit 97
 for m in $(awk '{print $2}' /proc/self/mounts); do mount -o remount,bind,ro "$m" 2>/dev/null; done
-for d in /tmp /var/tmp /dev/shm; do [ -d "$d" ] && mount -t tmpfs -o size=64m none "$d"; done
-mkdir -p "$0" && mount -c --bind /proc/self/cwd "$0" && mount -o remount,bind,rw "$0" || exit 97
+for d in /tmp /var/tmp /dev/shm; do [ -d "$d" ] && mount -t tmpfs -o size="$size" none "$d"; done
+mkdir -p "$0" && mount -t tmpfs -o size="$size" none "$0" && cp -a ./. "$0" || exit 97
 cd "$0" && exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- "$@"
 """
 
@@ -88,6 +104,11 @@ class Limits:
     """Open file descriptors (RLIMIT_NOFILE)."""
     max_output_bytes: int = 1 << 20
     """Bytes kept of stdout and of stderr each; the rest is read and dropped."""
+    tmpfs_bytes: int = 64 << 20
+    """Size of each writable in-memory mount (bwrap, unshare: the working directory, ``/tmp``,
+    ``/var/tmp``, ``/dev/shm``, bwrap's ``$HOME``), held in machine memory beyond
+    ``memory_bytes`` (module docstring). A zygote sandbox sizes its mounts once, when it
+    starts, with this default. Not applied by ``none``."""
 
 
 @dataclass
@@ -120,6 +141,8 @@ def backend_works(backend: str) -> bool:
     """Whether ``backend`` can run a program here (tried once, under the run's uid)."""
     if backend == "none":
         return True
+    if backend == "bwrap" and not _bwrap_sizes_tmpfs():
+        return False
     workdir = Path(tempfile.mkdtemp(prefix="honing-probe-"))
     try:
         ids = _fresh_ids()
@@ -178,6 +201,19 @@ def sandbox_python(backend: str = "auto") -> str:
 
 
 @cache
+def _bwrap_sizes_tmpfs() -> bool:
+    """Whether the installed bwrap has ``--size`` (0.5.0+); warns when it is too old."""
+    try:
+        done = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    if "--size" in done.stdout:
+        return True
+    log.warning("bwrap lacks --size (needs 0.5.0+): its tmpfs mounts cannot be capped; not used")
+    return False
+
+
+@cache
 def _warn_none_once() -> None:
     log.warning(_NONE_WARNING, backend_works("bwrap"), backend_works("unshare"))
 
@@ -190,18 +226,35 @@ def _fresh_ids() -> tuple[int, int] | None:
     return uid, uid
 
 
-def _wrap(backend: str, argv: list[str], workdir: str, as_init: bool = False) -> list[str]:
+def _wrap(
+    backend: str,
+    argv: list[str],
+    workdir: str,
+    as_init: bool = False,
+    tmpfs_bytes: int = Limits.tmpfs_bytes,
+    file_fds: dict[str, int] | None = None,
+) -> list[str]:
     """The command line that runs ``argv`` inside ``backend``, with cwd ``workdir``; with
-    ``as_init`` (bwrap) ``argv`` is PID 1 of the namespace (unshare: always)."""
+    ``as_init`` (bwrap) ``argv`` is PID 1 of the namespace (unshare: always).
+
+    The working directory inside is a fresh tmpfs of ``tmpfs_bytes``: unshare copies the host
+    directory's files into it; bwrap starts it empty and writes each ``file_fds`` entry (name
+    -> a readable descriptor the child inherits) into it."""
     if backend == "bwrap":
         hidden = ["/tmp", "/var/tmp", "/dev/shm"]
         home = os.path.expanduser("~")
         if home not in ("/", "") and os.path.isdir(home):
             hidden.append(home)
-        tmpfs = [arg for path in hidden for arg in ("--tmpfs", path)]
+        size = ("--size", str(tmpfs_bytes))
+        sized = [arg for path in (*hidden, workdir) for arg in (*size, "--tmpfs", path)]
+        files = [
+            arg
+            for name, fd in (file_fds or {}).items()
+            for arg in ("--file", str(fd), os.path.join(workdir, name))
+        ]
         return [
-            *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *tmpfs),
-            *("--bind", workdir, workdir, "--chdir", workdir, "--unshare-all"),
+            *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *sized, *files),
+            *("--remount-ro", "/dev", "--chdir", workdir, "--unshare-all"),
             *("--die-with-parent", "--new-session", *(["--as-pid-1"] if as_init else [])),
             *("--", *argv),
         ]
@@ -209,7 +262,7 @@ def _wrap(backend: str, argv: list[str], workdir: str, as_init: bool = False) ->
         return [
             *("unshare", "--user", "--map-root-user", "--net", "--pid", "--ipc", "--uts"),
             *("--fork", "--kill-child", "--mount", "--mount-proc"),
-            *("sh", "-c", _UNSHARE_SETUP, workdir, *argv),
+            *("sh", "-c", _UNSHARE_SETUP, workdir, str(tmpfs_bytes), *argv),
         ]
     return list(argv)
 
@@ -255,7 +308,8 @@ def run_sandboxed(
     Args:
         argv: the command (e.g. ``["python3", "-I", "main.py"]``), resolved on ``PATH``.
         stdin: bytes fed to the program's standard input.
-        files: name -> content written into the working directory first.
+        files: name -> content written into the working directory first (it counts against
+            ``limits.tmpfs_bytes`` under bwrap and unshare).
         limits: resource limits (defaults: ``Limits()``).
         backend: ``auto``, ``bwrap``, ``unshare`` or ``none`` (module docstring).
 
@@ -265,16 +319,21 @@ def run_sandboxed(
     limits = limits or Limits()
     isolation = resolve_backend(backend)
     workdir = tempfile.mkdtemp(prefix="honing-sandbox-")
+    file_fds: dict[str, int] = {}
     try:
         ids = _fresh_ids()
         for name, content in (files or {}).items():
             data = content.encode() if isinstance(content, str) else content
             Path(workdir, name).write_bytes(data)
+            if isolation == "bwrap":
+                file_fds[name] = os.open(os.path.join(workdir, name), os.O_RDONLY)
         if ids:
             for path in (workdir, *(os.path.join(workdir, name) for name in files or {})):
                 os.chown(path, *ids)
-        return _execute(argv, stdin, workdir, ids, limits, isolation)
+        return _execute(argv, stdin, workdir, ids, limits, isolation, file_fds)
     finally:
+        for fd in file_fds.values():
+            os.close(fd)
         shutil.rmtree(workdir, onerror=_force_remove)
 
 
@@ -287,7 +346,7 @@ def _force_remove(function, path, _exc_info) -> None:
         pass
 
 
-def _execute(argv, stdin, workdir, ids, limits, isolation) -> SandboxResult:
+def _execute(argv, stdin, workdir, ids, limits, isolation, file_fds) -> SandboxResult:
     token = secrets.token_hex(8)
     nproc = limits.max_processes + (0 if ids else count_processes(os.geteuid()))
     env = {
@@ -298,11 +357,13 @@ def _execute(argv, stdin, workdir, ids, limits, isolation) -> SandboxResult:
         MARKER_ENV: token,
     }
     user = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}
+    wrapped = _wrap(isolation, argv, workdir, tmpfs_bytes=limits.tmpfs_bytes, file_fds=file_fds)
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            _limited(_wrap(isolation, argv, workdir), limits, nproc),
+            _limited(wrapped, limits, nproc),
             cwd=workdir,
+            pass_fds=tuple(file_fds.values()),
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -4,16 +4,23 @@ Each adversarial program carries a unique marker in its command line; after the 
 with that marker may survive (scanned in /proc), and nothing outside its directory may change.
 """
 
+import json
 import os
+import shlex
+import shutil
 import socket
+import tempfile
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from honing.rewards.sandbox import (
     BACKENDS,
     Limits,
+    _bwrap_sizes_tmpfs,
     backend_works,
     resolve_backend,
     run_sandboxed,
@@ -52,9 +59,38 @@ def _survivors(marker: str) -> list[int]:
     return found
 
 
+def _shmem_bytes() -> int:
+    """The machine's shared memory (tmpfs pages included), from ``/proc/meminfo``."""
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="unknown sandbox backend"):
         resolve_backend("docker")
+
+
+@pytest.mark.parametrize(
+    ("help_text", "works"), [("--tmpfs DEST\n--size BYTES", True), ("--tmpfs DEST", False)]
+)
+def test_bwrap_without_size_is_not_used(help_text, works, monkeypatch, caplog):
+    """A bwrap that runs but has no ``--size`` (before 0.5.0) is reported as not working."""
+    stand_in = tempfile.mkdtemp(prefix="honing-test-bwrap-")
+    os.chmod(stand_in, 0o755)  # the probe may run under a fresh uid
+    script = Path(stand_in, "bwrap")
+    script.write_text(f'#!/bin/sh\n[ "$1" = --help ] && echo {shlex.quote(help_text)}\nexit 0\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stand_in}:{os.environ['PATH']}")
+    _bwrap_sizes_tmpfs.cache_clear()
+    try:
+        assert backend_works.__wrapped__("bwrap") is works
+    finally:
+        _bwrap_sizes_tmpfs.cache_clear()
+        shutil.rmtree(stand_in)
+    assert ("lacks --size" in caplog.text) is not works
 
 
 @pytest.mark.parametrize("backend", backends)
@@ -189,3 +225,59 @@ def test_network_is_unreachable(backend):
     finally:
         server.close()
     assert "blocked" in result.stdout and "connected" not in result.stdout
+
+
+FLOOD = """
+import json, os, time
+totals = {}
+for place in places:
+    written, error = 0, None
+    try:
+        for index in range(8):
+            fd = os.open(os.path.join(place, f"flood-{index}"), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for _ in range(16):
+                    written += os.write(fd, b"f" * (1 << 20))
+            finally:
+                os.close(fd)
+    except OSError as e:
+        error = e.strerror
+    totals[place] = [written, error]
+print(json.dumps(totals), flush=True)
+time.sleep(0.5)
+"""
+"""Writes 8 files of 16 MiB into each of ``places`` (until an error), reports what it wrote
+per place, then holds the files half a second."""
+
+
+@pytest.mark.parametrize("backend", namespaced)
+def test_in_memory_file_systems_are_capped(backend):
+    """Flooding every writable place stops at ``tmpfs_bytes`` each, and the machine's Shmem,
+    sampled while the program holds what it wrote, rises by at most five mounts' worth."""
+    cap = 8 << 20
+    home = os.path.expanduser("~")
+    places = ["/tmp", "/var/tmp", "/dev/shm", "/dev", home, "."]
+    code = f"places = {places!r}\n{FLOOD}"
+    before = peak = _shmem_bytes()
+    running = threading.Event()
+    running.set()
+
+    def sample() -> None:
+        nonlocal peak
+        while running.is_set():
+            peak = max(peak, _shmem_bytes())
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result, _ = _run(backend, code, limits=Limits(timeout_s=10.0, tmpfs_bytes=cap))
+    finally:
+        running.clear()
+        sampler.join()
+    totals = json.loads(result.stdout)
+    rise, held = peak - before, sum(written for written, _ in totals.values())
+    # At least half of what it held: the samples saw its files, so the upper bound means something.
+    assert held // 2 <= rise <= 5 * cap + (48 << 20), (rise, totals)
+    for place, (written, error) in totals.items():
+        assert written <= cap and error, (place, written, error)
