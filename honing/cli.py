@@ -18,11 +18,15 @@ written to the run directory before the config, the data and the model have load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from honing.errors import RunStopped, UserError
+from honing.errors import RunStopped, Terminated, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,99 +93,34 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser("serve", help="run a scoring service over HTTP")
-    kinds = serve.add_subparsers(dest="service", required=True)
-    verifier = kinds.add_parser("verifier", help="math / code / numeric verifiers at POST /score")
-    verifier.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        help="math processes and programs run at once (default: one per core)",
-    )
-    verifier.add_argument(
-        "--function",
-        default="",
-        help="reward function for data sources "
-        "the built-in routes do not know (module:function or file.py:function)",
-    )
-    verifier.add_argument(
-        "--route",
-        action="append",
-        default=[],
-        metavar="DATA_SOURCE=SPEC",
-        help="score a data source with a reward function (repeatable)",
-    )
-    verifier.add_argument("--math-timeout-s", type=float, default=5.0)
-    verifier.add_argument("--code-timeout-s", type=float, default=10.0)
-    verifier.add_argument(
-        "--delay-ms",
-        type=float,
-        default=0.0,
-        help="hold each request this long before scoring (to measure slow scoring)",
-    )
-    rollout = kinds.add_parser(
-        "rollout", help="a policy behind the OpenAI completions API, with weight updates"
-    )
-    rollout.add_argument("--model", required=True, help="local model directory or builtin:tiny")
-    rollout.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    rollout.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    rollout.add_argument("--max-seq-len", type=int, default=4096, help="prompt + response")
-    rollout.add_argument("--name", default="", help="served model name (default: the path)")
-    rollout.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    rollout.add_argument(
-        "--exit-after",
-        type=int,
-        default=0,
-        metavar="N",
-        help="fault injection: die without answering the N-th completion request",
-    )
-    rollout.add_argument(
-        "--speculative",
-        default="off",
-        choices=("off", "ngram", "draft"),
-        help="speculative decoding in the served engine (counters at GET /metrics)",
-    )
-    rollout.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per round")
-    rollout.add_argument("--spec-draft", default="", help="--speculative draft: the draft model")
-    model = kinds.add_parser("reward-model", help="a sequence-classification reward model")
-    model.add_argument("--model", required=True, help="local Hugging Face model directory")
-    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    model.add_argument("--max-batch", type=int, default=32, help="items per forward pass")
-    model.add_argument(
-        "--max-wait-ms", type=float, default=5.0, help="how long a batch waits to fill"
-    )
-    model.add_argument("--max-length", type=int, default=2048, help="tokens per item")
-    for sub in (verifier, model, rollout):
-        sub.add_argument("--host", default="127.0.0.1", help="default: loopback only")
-        sub.add_argument("--port", type=int, default=8080)
-        variable = "HONING_ROLLOUT_TOKEN" if sub is rollout else "HONING_VERIFIER_TOKEN"
-        sub.add_argument(
-            "--token",
-            default=os.environ.get(variable, ""),
-            help=f"require 'Authorization: Bearer TOKEN' (default: ${variable})",
-        )
-        if sub is rollout:
-            continue
-        sub.add_argument("--max-concurrency", type=int, default=8, help="requests scored at once")
-        sub.add_argument(
-            "--max-queue", type=int, default=64, help="requests waiting; more are refused with 503"
-        )
-        sub.add_argument("--max-body-mb", type=float, default=16.0)
+    from honing.services.options import add_serve_options
+
+    add_serve_options(commands)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    import uvicorn
+    """Check the options, take the port, then build the app (which may load a model) and
+    serve it until Ctrl-C or SIGTERM."""
+    from honing.services.options import check_ranges
+    from honing.services.server import ServerLimits, listen, reserve_open_files, serve
 
-    if ns.service == "rollout":
-        app = _rollout_app(ns)
-        path = "/v1/completions"
-    else:
-        app = _scoring_app(ns)
-        path = "/score"
-    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.token:
-        print(f"honing: warning: serving on {ns.host} without --token", file=sys.stderr)
-    print(f"honing {ns.service}: http://{ns.host}:{ns.port}{path}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    check_ranges(ns)
+    limits = ServerLimits(ns.header_timeout_s, ns.max_connections, ns.keep_alive_s)
+    reserve_open_files(limits.max_connections)
+    sockets = listen(ns.host, ns.port)
+    try:
+        if ns.service == "rollout":
+            app, path = _rollout_app(ns), "/v1/completions"
+        else:
+            app, path = _scoring_app(ns), "/score"
+        if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.token:
+            print(f"honing: warning: serving on {ns.host} without --token", file=sys.stderr)
+        port = sockets[0].getsockname()[1]
+        print(f"honing {ns.service}: http://{ns.host}:{port}{path}", file=sys.stderr, flush=True)
+        serve(app, sockets, limits)
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 
@@ -289,6 +228,11 @@ def run_train(ns: argparse.Namespace) -> int:
                 f"{info['pass_at_k_key']}: {info['pass_at_k_start']:.3f} -> "
                 f"{info['pass_at_k_end']:.3f}"
             )
+    if info.get("val_score_errors"):
+        print(
+            f"val/score_errors: {info['val_score_errors']} validation scores failed on every "
+            "try and were left out of the rates (events.jsonl: val_score_errors)"
+        )
     return 0
 
 
@@ -347,6 +291,26 @@ def _supervised(argv: list[str] | None, max_restarts: int) -> int:
     )
 
 
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within it, the first SIGTERM raises ``Terminated`` in the main thread (handled as Ctrl-C
+    is) and a second one kills at once, as SIGTERM does by default; the handler before it is
+    put back after."""
+
+    def handler(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = _parser()
@@ -374,20 +338,20 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(ns.run_dir)
         ns.args = ns.args + extra
-        if ns.command == "doctor":
-            return run_doctor(ns)
-        if ns.command == "eval":
-            return run_eval(ns)
-        return run_train(ns)
+        run = {"doctor": run_doctor, "eval": run_eval, "train": run_train}[ns.command]
+        with stop_on_sigterm():
+            return run(ns)
     except UserError as err:
         print(f"honing: error: {err}", file=sys.stderr)
         return 2
     except RunStopped as stop:
         print(f"honing: {stop}", file=sys.stderr)
         return stop.exit_status
-    except KeyboardInterrupt:
-        print("honing: interrupted; resume with --resume auto", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        resume = "resume with --resume auto" if ns.command == "train" else "run it again"
+        print(f"honing: {how}; {resume}", file=sys.stderr)
+        return stop.exit_status if isinstance(stop, Terminated) else 130
 
 
 if __name__ == "__main__":

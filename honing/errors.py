@@ -26,3 +26,11 @@ class RunStopped(Exception):
     exits with ``exit_status`` (3), which a supervisor does not restart."""
 
     exit_status = 3
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, Kubernetes and torchrun send), raised in the main thread so
+    the run ends as after Ctrl-C: a save in progress is abandoned and its temporary directory
+    removed, the logs are flushed, and the CLI exits with 143 (128 + SIGTERM)."""
+
+    exit_status = 143

@@ -160,8 +160,9 @@ def test_overrides_may_follow_the_options(tmp_path):
 
 
 def run_serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``honing serve ARGS`` on a free port (the port is taken before the app is built)."""
     return subprocess.run(
-        [sys.executable, "-m", "honing.cli", "serve", *args],
+        [sys.executable, "-m", "honing.cli", "serve", *args, "--port", "0"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ other than the ones that mean "do not try again":
     2    a user error (bad config, data, full disk): the same input fails the same way
     3    stopped by an alert rule (``RunStopped``)
     130  interrupted by Ctrl-C
+    143  terminated by SIGTERM (the scheduler, or the supervisor passing its own on)
 
 Each restart is logged and appended to ``RUN_DIR/events.jsonl`` as a ``restart`` event with the
 exit status. SIGTERM sent to the supervisor is passed to the child and ends supervision; Ctrl-C
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-NO_RESTART = frozenset({0, 2, 3, 130})
+NO_RESTART = frozenset({0, 2, 3, 130, 143})
 EVENTS_FILE = "events.jsonl"
 
 

@@ -8,10 +8,14 @@ counts it. ``GET /health`` says the service is up and what it runs; ``GET /metri
 Prometheus text.
 
 Guards: a request body limit (413), a bearer token when configured (401), validation with a
-message naming the bad field (422), and bounded concurrency with back-pressure: at most
-``max_concurrency`` requests are scored at once and ``max_queue`` wait; past that a request is
-refused at once with 503 and ``Retry-After`` rather than piling up (the client retries
-elsewhere or later).
+message naming the bad field (422: a field the service requires is missing or null, a field
+has the wrong type, the body is not JSON or is nested too deeply to parse), and bounded
+concurrency with back-pressure: at most ``max_concurrency`` requests are scored at once and
+``max_queue`` wait; past that a request is refused at once with 503 and ``Retry-After``
+rather than piling up (the client retries elsewhere or later). With a token, ``/health``
+answers a bare ``{"status": "ok"}`` to anyone (load balancers, container health checks) and
+its details only with the token; ``/metrics`` needs the token. The connection guards (slow
+clients, open connections, keep-alive) are the server's: ``honing.services.server``.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from honing.rewards.registry import describe_error
 
+_UNAUTHORISED = "missing or wrong bearer token (Authorization: Bearer ...)"
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -88,16 +93,24 @@ class BadRequest(ValueError):
     """The request body is not the ``/score`` envelope; the message names the field."""
 
 
-def parse_items(body: bytes) -> list[dict[str, Any]]:
-    """The ``items`` of a ``/score`` body, checked field by field.
+_FIELD_TYPES = {"response": str, "data_source": str, "prompt": str, "extra_info": dict}
+_TYPE_NAMES = {str: "a string", dict: "an object"}
+
+
+def parse_items(body: bytes, required: tuple[str, ...] = ("response",)) -> list[dict[str, Any]]:
+    """The ``items`` of a ``/score`` body, checked field by field; each of ``required`` must be
+    present and not null in every item.
 
     Raises:
-        BadRequest: not JSON, no ``items`` list, or an item with a wrong field type.
+        BadRequest: not JSON, nested too deeply, no ``items`` list, a required field missing,
+            or a field of the wrong type.
     """
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("body is nested too deeply to parse") from None
     items = payload.get("items") if isinstance(payload, dict) else None
     if not isinstance(items, list):
         raise BadRequest('expected {"items": [...]}')
@@ -105,11 +118,14 @@ def parse_items(body: bytes) -> list[dict[str, Any]]:
         where = f"items[{index}]"
         if not isinstance(item, dict):
             raise BadRequest(f"{where}: expected an object")
-        if not isinstance(item.get("response"), str):
-            raise BadRequest(f"{where}.response: expected a string")
-        for key, kind in (("data_source", str), ("prompt", str), ("extra_info", dict)):
+        for key in required:
+            if item.get(key) is None:
+                raise BadRequest(
+                    f"{where}.{key}: missing or null (every item needs {', '.join(required)})"
+                )
+        for key, kind in _FIELD_TYPES.items():
             if item.get(key) is not None and not isinstance(item[key], kind):
-                raise BadRequest(f"{where}.{key}: expected {kind.__name__}")
+                raise BadRequest(f"{where}.{key}: expected {_TYPE_NAMES[kind]}")
         item.setdefault("data_source", "")
         item["extra_info"] = item.get("extra_info") or {}
     return items
@@ -136,6 +152,7 @@ def create_app(
     scorer: Any,
     *,
     service: str,
+    required: tuple[str, ...] = ("response",),
     health: Callable[[], dict[str, Any]] | None = None,
     token: str = "",
     max_body_bytes: int = 16 << 20,
@@ -143,7 +160,8 @@ def create_app(
     max_queue: int = 64,
 ) -> FastAPI:
     """A FastAPI app serving ``scorer.score_batch`` under the guards of the module docstring;
-    ``health`` adds fields to ``GET /health``."""
+    ``required`` are the item fields the scorer cannot do without, ``health`` adds fields to
+    ``GET /health``."""
     metrics = _Metrics(service)
     executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=service)
 
@@ -163,12 +181,14 @@ def create_app(
         metrics.requests[str(code)] += 1
         return JSONResponse({"error": message}, status_code=code, headers=headers)
 
+    def authorised(request: Request) -> bool:
+        given = request.headers.get("authorization", "").encode()
+        return not token or hmac.compare_digest(given, expected_auth)
+
     @app.post("/score")
     async def score(request: Request) -> JSONResponse:
-        if token and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected_auth
-        ):
-            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        if not authorised(request):
+            return refuse(401, _UNAUTHORISED)
         declared = int(request.headers.get("content-length") or 0)
         if declared > max_body_bytes:
             return refuse(413, f"body of {declared} bytes is over the {max_body_bytes} limit")
@@ -178,7 +198,7 @@ def create_app(
             if len(body) > max_body_bytes:
                 return refuse(413, f"body is over the {max_body_bytes}-byte limit")
         try:
-            items = parse_items(bytes(body))
+            items = parse_items(bytes(body), required)
         except BadRequest as exc:
             return refuse(422, str(exc))
         if metrics.in_flight + metrics.waiting >= max_concurrency + max_queue:
@@ -208,7 +228,9 @@ def create_app(
         return JSONResponse({"results": results})
 
     @app.get("/health")
-    async def healthz() -> dict[str, Any]:
+    async def healthz(request: Request) -> dict[str, Any]:
+        if not authorised(request):
+            return {"status": "ok"}
         return {
             "status": "ok",
             "service": service,
@@ -218,7 +240,9 @@ def create_app(
         }
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus(request: Request) -> Response:
+        if not authorised(request):
+            return refuse(401, _UNAUTHORISED)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

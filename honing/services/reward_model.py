@@ -1,11 +1,11 @@
 """``honing serve reward-model``: a Hugging Face sequence-classification model as a scorer.
 
 Each item's text is its ``prompt`` (or ``extra_info["prompt"]``) followed by its
-``response``; the score is the model's single logit (``num_labels == 1``, the usual reward
-model), or for a classifier the probability of its last label. Dynamic batching: items of
-all concurrent requests go to one queue; a batcher thread takes up to ``max_batch`` of them,
-waiting at most ``max_wait_ms`` for more once the first arrives, runs one forward pass, and
-hands each request its scores.
+``response``, the one field an item must have (no ``ground_truth``); the score is the
+model's single logit (``num_labels == 1``, the usual reward model), or for a classifier the
+probability of its last label. Dynamic batching: items of all concurrent requests go to one
+queue; a batcher thread takes up to ``max_batch`` of them, waiting at most ``max_wait_ms``
+for more once the first arrives, runs one forward pass, and hands each request its scores.
 """
 
 from __future__ import annotations
@@ -156,4 +156,6 @@ def reward_model_app(
             "items_scored": sum(scorer.batch_sizes),
         }
 
-    return create_app(scorer, service="reward-model", health=health, **guards)
+    return create_app(
+        scorer, service="reward-model", required=("response",), health=health, **guards
+    )

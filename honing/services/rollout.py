@@ -18,6 +18,11 @@ Endpoints:
   vLLM's names: ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total``.
 
+With ``--token``, every endpoint needs ``Authorization: Bearer TOKEN`` (401 without it) except
+``GET /health``, which answers a bare ``{"status": "ok"}`` without it (for load balancers and
+container health checks) and its details (model, weight version, counters) with it. A body
+that is not a JSON object, or is nested too deeply to parse, is a 400 naming the problem.
+
 One generation runs at a time (the engine batches each request's prompts); requests wait
 their turn on a thread, so health checks answer while a batch generates.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import threading
 import time
@@ -34,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from honing.rollout.base import GenerationRequest, SamplingParams
+
+_UNAUTHORISED = "missing or wrong bearer token (Authorization: Bearer ...)"
 
 
 class BadRequest(ValueError):
@@ -89,6 +97,23 @@ def prompts_from_request(body: dict[str, Any], tokenizer) -> list[list[int]]:
         else:
             raise BadRequest(f"prompt: expected token ids or text, got {str(item)[:60]!r}")
     return rows
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object.
+
+    Raises:
+        BadRequest: not JSON, nested too deeply to parse, or not an object.
+    """
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"body: not JSON ({err})") from None
+    except RecursionError:
+        raise BadRequest("body: nested too deeply to parse") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    return body
 
 
 def rollout_app(
@@ -192,7 +217,9 @@ def rollout_app(
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> Response:
+        if not authorised(request):
+            return refuse(401, _UNAUTHORISED)
         lines = []
         for key, value in speculation.items():
             name = f"vllm:spec_decode_num_{key}_total"
@@ -202,15 +229,12 @@ def rollout_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         if not authorised(request):
-            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+            return refuse(401, _UNAUTHORISED)
         counters["requests"] += 1
         if exit_after and counters["requests"] >= exit_after:
             os._exit(17)
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("body: expected a JSON object")
-            answer = await run(complete, body)
+            answer = await run(complete, await json_object(request))
         except (BadRequest, ValueError) as err:
             return refuse(400, str(err))
         counters["completions"] += len(answer["choices"])
@@ -219,9 +243,9 @@ def rollout_app(
     @app.post("/update_weights_from_disk")
     async def from_disk(request: Request) -> JSONResponse:
         if not authorised(request):
-            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+            return refuse(401, _UNAUTHORISED)
         try:
-            body = await request.json()
+            body = await json_object(request)
             path = Path(str(body.get("model_path", "")))
             if not path.is_dir():
                 raise BadRequest(f"model_path: {path} is not a directory on the server")
@@ -234,7 +258,7 @@ def rollout_app(
     @app.post("/update_weights")
     async def from_body(request: Request) -> JSONResponse:
         if not authorised(request):
-            return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+            return refuse(401, _UNAUTHORISED)
         declared = int(request.headers.get("content-length") or 0)
         if declared > max_body_bytes:
             return refuse(413, f"body of {declared} bytes is over the {max_body_bytes} limit")
@@ -246,7 +270,9 @@ def rollout_app(
         return JSONResponse({"success": True, "weight_version": version})
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> dict[str, Any]:
+        if not authorised(request):
+            return {"status": "ok"}
         return {
             "status": "ok",
             "service": "rollout",
@@ -257,7 +283,9 @@ def rollout_app(
         }
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+    async def models(request: Request) -> Response:
+        if not authorised(request):
+            return refuse(401, _UNAUTHORISED)
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model"}]})
 
     return app

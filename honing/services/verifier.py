@@ -4,8 +4,10 @@ Items are routed by ``data_source`` with the same table as ``reward.function: au
 (``honing.rewards.routing``), so a trainer pointed at this service with
 ``reward.endpoint`` scores exactly as it would in-process; ``--function`` names a reward
 function for data sources the table does not know, and ``--route DATA_SOURCE=SPEC`` adds or
-overrides a route. ``--workers`` is the number of math
-worker processes and of programs run at once.
+overrides a route. ``--workers`` is the number of math worker processes and of programs run
+at once. Every item needs a ``response`` and a ``ground_truth`` (any JSON value but null:
+the verifiers take strings, numbers, lists of accepted answers, and the code verifier's test
+objects); an item without them is a 422.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ def verifier_app(
     from honing.rewards.sandbox import detect_backend
 
     health["isolation"] = detect_backend()  # what code runs in: bwrap, unshare or none
-    return create_app(router, service="verifier", health=lambda: health, **guards)
+    required = ("response", "ground_truth")
+    return create_app(
+        router, service="verifier", required=required, health=lambda: health, **guards
+    )
 
 
 class _Delayed:

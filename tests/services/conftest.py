@@ -1,4 +1,5 @@
-"""Serve an app with uvicorn on a loopback port in a background thread."""
+"""Serve an app with uvicorn on a loopback port in a background thread, under the settings
+``honing serve`` uses."""
 
 import socket
 import threading
@@ -7,15 +8,18 @@ import time
 import pytest
 import uvicorn
 
+from honing.services.server import ServerLimits, server_config
+
 
 class Served:
     """An app served by uvicorn on 127.0.0.1 in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits: ServerLimits):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(server_config(app, limits, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -31,10 +35,11 @@ class Served:
 
 @pytest.fixture
 def serve():
+    """``serve(app, limits=None)`` -> its base URL; ``limits`` default to ``ServerLimits()``."""
     served = []
 
-    def start(app):
-        served.append(Served(app))
+    def start(app, limits: ServerLimits | None = None):
+        served.append(Served(app, limits or ServerLimits()))
         return served[-1].url
 
     yield start

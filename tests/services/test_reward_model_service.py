@@ -69,3 +69,16 @@ def test_missing_model_is_one_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="cannot load a sequence-classification model"):
         RewardModelScorer(str(tmp_path / "nope"))
+
+
+def test_items_need_a_response_but_no_ground_truth(serve, reward_model_dir):
+    url = serve(reward_model_app(str(reward_model_dir), device="cpu"))
+    scored = httpx.post(
+        f"{url}/score", json={"items": [{"prompt": "1+1=", "response": "2"}]}, timeout=30
+    )
+    assert scored.status_code == 200 and scored.json()["results"][0]["score"] is not None
+    missing = httpx.post(f"{url}/score", json={"items": [{"prompt": "1+1="}]}, timeout=30)
+    assert missing.status_code == 422
+    assert (
+        missing.json()["error"] == "items[0].response: missing or null (every item needs response)"
+    )

@@ -50,10 +50,64 @@ def test_bad_requests_say_what_is_wrong(serve):
     assert too_big.status_code == 413 and "limit" in too_big.json()["error"]
     not_json = httpx.post(f"{url}/score", content=b"{nope", timeout=10)
     assert not_json.status_code == 422 and "not JSON" in not_json.json()["error"]
-    bad_item = _post(url, {"items": [{"response": "1"}, {"response": 5}]})
+    bad_item = _post(
+        url, {"items": [{"response": "1", "ground_truth": "1"}, {"response": 5, "ground_truth": 5}]}
+    )
     assert bad_item.status_code == 422
     assert bad_item.json()["error"] == "items[1].response: expected a string"
     assert _post(url, {"item": []}).json()["error"] == 'expected {"items": [...]}'
+
+
+def test_items_without_a_response_or_ground_truth_are_422(serve):
+    url = serve(verifier_app(workers=1))
+    needs = "(every item needs response, ground_truth)"
+    for item, field in (
+        ({"data_source": "arithmetic", "response": "12"}, "ground_truth"),
+        ({"data_source": "arithmetic", "response": "12", "ground_truth": None}, "ground_truth"),
+        ({"data_source": "arithmetic", "ground_truth": "12"}, "response"),
+    ):
+        answer = _post(url, {"items": [item]})
+        assert answer.status_code == 422
+        assert answer.json()["error"] == f"items[0].{field}: missing or null {needs}"
+    accepted = [  # the ground truths the verifiers take: text, numbers, lists, test objects
+        {"data_source": "arithmetic", "response": "12", "ground_truth": 12},
+        {"data_source": "arithmetic", "response": "12", "ground_truth": ["11", "12"]},
+        {"data_source": "code", "response": "x", "ground_truth": {"tests": []}},
+    ]
+    answer = _post(url, {"items": accepted})
+    assert answer.status_code == 200
+    assert [r["score"] for r in answer.json()["results"]][:2] == [1.0, 1.0]
+
+
+def test_json_nested_too_deeply_is_422_not_a_crash(serve):
+    url = serve(verifier_app(workers=1))
+    depth = 100_000
+    for body in (
+        '{"items": ' + "[" * depth + "]" * depth + "}",
+        '{"a": ' * depth + "1" + "}" * depth,
+    ):
+        answer = httpx.post(f"{url}/score", content=body, timeout=10)
+        assert answer.status_code == 422
+        assert answer.json()["error"] == "body is nested too deeply to parse"
+    item = {"data_source": "arithmetic", "response": "1", "ground_truth": "1"}
+    assert _post(url, {"items": [item]}).json()["results"][0]["score"] == 1.0
+
+
+def test_with_a_token_health_is_bare_and_metrics_need_it(serve):
+    url = serve(verifier_app(workers=1, token="s3cret"))
+    refused = _post(url, {"items": []})
+    assert refused.status_code == 401
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        health = httpx.get(f"{url}/health", headers=headers)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        metrics = httpx.get(f"{url}/metrics", headers=headers)
+        assert metrics.status_code == 401 and metrics.json() == refused.json()
+    right = {"Authorization": "Bearer s3cret"}
+    health = httpx.get(f"{url}/health", headers=right).json()
+    assert health["service"] == "verifier" and "openai/gsm8k" in health["routes"]
+    assert "isolation" in health and "in_flight" in health
+    metrics = httpx.get(f"{url}/metrics", headers=right)
+    assert metrics.status_code == 200 and 'code="401"' in metrics.text
 
 
 class _Slow:
