@@ -460,10 +460,11 @@ def _flatten(tree: Any, prefix: str = "", source: str = "") -> dict[str, Any]:
             flat.update(_flatten(value, f"{key}.", source))
         elif not prefix and name in SECTIONS:
             if value is not None:  # `rollout:` with nothing under it is an empty section
+                example = dataclasses.fields(SECTIONS[name])[0].name
                 raise ConfigError(
-                    f"{source}: {name}: a section must be a mapping of its keys "
-                    f"(e.g. {name}.{dataclasses.fields(SECTIONS[name])[0].name}: ...), "
-                    f"got {type(value).__name__} {value!r}"
+                    f"{source}: {name}: a section must be a mapping of its keys (such as "
+                    f"'{example}: ...' on the lines under it), got {type(value).__name__} "
+                    f"{value!r}"
                 )
         else:
             flat[key] = value

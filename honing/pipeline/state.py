@@ -131,7 +131,7 @@ def _refuse(
     if required:
         good = manager.latest_good()
         raise UserError(
-            f"the weights at step {step} are not finite ({reason}); no checkpoint was written. "
+            f"the weights at step {step} are not finite: {reason}; no checkpoint was written. "
             + (
                 f"The last good checkpoint is {good}: resume from it with --resume {good} "
                 "and a smaller trainer.lr"

@@ -36,7 +36,7 @@ def _events(run_dir, kind):
 def test_no_checkpoint_of_non_finite_weights_is_written(tmp_path, micro_model_dir, digit_reward):
     run = tmp_path / "run"
     config = _config(micro_model_dir, digit_reward, **DIVERGING)
-    with pytest.raises(UserError, match=r"^the weights at step 3 are not finite .* no checkpoint"):
+    with pytest.raises(UserError, match=r"^the weights at step 3 are not finite: .* no checkpoint"):
         train(config, run, log=NO_LOG)  # the final save is required: the run says why it ended
     refused = _events(run, "checkpoint_refused")
     assert [e["step"] for e in refused] == [1, 2, 3]
