@@ -105,6 +105,7 @@ def generation(model, tokenizer, device, rows: int, tokens: int, speculation=Non
 def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: float) -> dict:
     from honing.rollout.fast_decode import unwrap
     from honing.trainer.batch import collate
+    from honing.trainer.engine import TrainedModule
     from honing.trainer.optim import build_optimizer
     from honing.trainer.update import UpdateSettings, update_policy
     from honing.types import Rollout
@@ -140,10 +141,11 @@ def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: floa
     settings = UpdateSettings(
         micro_batch_size=8, autocast="bfloat16" if device.type == "cuda" else "none"
     )
-    update_policy(policy, optimizer, batch, advantages, settings)  # warm-up (allocates Adam)
+    engine = TrainedModule("policy", policy, optimizer)
+    update_policy(engine, batch, advantages, settings)  # warm-up (allocates Adam)
     sync(device)
     started = time.perf_counter()
-    update_policy(policy, optimizer, batch, advantages, settings)
+    update_policy(engine, batch, advantages, settings)
     sync(device)
     seconds = time.perf_counter() - started
     params = sum(p.numel() for p in policy.parameters())
@@ -161,8 +163,8 @@ def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: floa
 
 
 def full_step_memory(model_dir: Path, device: torch.device, size: str, offload: bool) -> dict:
+    from honing.backends.launch import train
     from honing.config import build_config
-    from honing.pipeline.run import train
 
     gen_rows, gen_tokens = WORK[size][0], WORK[size][1]
     config = build_config(

@@ -53,8 +53,9 @@ def main() -> None:
 
     from honing.config import build_config, load_yaml
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.pipeline.components import load_datasets, resolve_model_path, tokenize_prompts
+    from honing.pipeline.components import resolve_model_path
     from honing.pipeline.evaluate import validate
+    from honing.pipeline.inputs import load_datasets, tokenize_prompts
     from honing.rewards import Scorer, numeric_reward
     from honing.rollout.base import SamplingParams
     from honing.rollout.transformers_engine import TransformersEngine

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import honing.pipeline.components as components  # noqa: E402
+from honing.backends.launch import train  # noqa: E402
 from honing.config import resolve_config  # noqa: E402
 from honing.errors import RunStopped  # noqa: E402
-from honing.pipeline.run import train  # noqa: E402
 
 RULES = [
     "actor/entropy < 0.05 for 2 steps -> {action}",
@@ -45,7 +45,7 @@ def plant(at_step: int, factor: float = 100.0) -> None:
 
     def planted(config, log=print):
         parts = build(config, log=log)
-        scheduler = parts.scheduler
+        scheduler = parts.trainers.policy.scheduler
         original = list(scheduler.lr_lambdas)
         scheduler.lr_lambdas = [
             (lambda step, fn=fn: fn(step) * (factor if step + 1 >= at_step else 1.0))

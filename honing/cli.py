@@ -209,7 +209,8 @@ def run_train(ns: argparse.Namespace) -> int:
 
     config_path, overrides = _split_args(ns.args)
     config = resolve_config(config_path, overrides)
-    from honing.pipeline.run import default_output_dir, train
+    from honing.backends.launch import train
+    from honing.pipeline.run import default_output_dir
 
     run_dir = ns.output_dir or default_output_dir(config_path)
     info = train(config, run_dir, resume=ns.resume)
@@ -260,7 +261,7 @@ def run_scale(ns: argparse.Namespace) -> int:
         raise UserError(f"--rollout-workers: expected >= 1, got {ns.rollout_workers}")
     if ns.reward_workers is not None and ns.reward_workers < 0:
         raise UserError(f"--reward-workers: expected >= 0, got {ns.reward_workers}")
-    from honing.pipeline.ray_backend import scale
+    from honing.backends.ray_run import scale
 
     targets = scale(ns.run_dir, ns.rollout_workers, ns.reward_workers, address=ns.address)
     print(" ".join(f"{key}={value}" for key, value in targets.items()))

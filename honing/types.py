@@ -1,6 +1,6 @@
 """The data that flows through one step: prompts in, rollouts out, scores attached.
 
-These are plain dataclasses with no torch in them, shared by every layer (DESIGN.md, layer 0).
+These are plain dataclasses with no torch in them, shared by every layer (docs/design.md, layer 0).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -193,22 +194,29 @@ def check_mergeable(model) -> None:
             )
 
 
-@torch.no_grad()
-def plain_weights(model) -> dict[str, torch.Tensor]:
-    """The weights a plain copy of ``model`` loads to compute what it computes: a LoRA model's
-    adapters merged into their base weights (W + B·A·alpha/r, PEFT's own delta, for linear
-    and embedding layers) under the base model's names; ``model`` is not changed. Any other
-    model: its state dict."""
+def plain_weight_items(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights a plain copy of ``model`` loads to compute what it computes, one (name,
+    tensor) piece at a time: a LoRA model's adapters merged into their base weights (W +
+    B·A·alpha/r, PEFT's own delta, for linear and embedding layers) under the base model's
+    names, each merged matrix made only when its turn comes; ``model`` is not changed. Any
+    other model: its state dict's tensors."""
     if not is_lora(model):
-        return model.state_dict()
+        yield from model.state_dict().items()
+        return
     from honing.models.llama_block import adapted_weight
 
     check_mergeable(model)
     base = model.get_base_model()
-    merged = {f"{name}.base_layer.weight": adapted_weight(layer) for name, layer in _adapted(base)}
-    out = {}
+    adapted = {f"{name}.base_layer.weight": layer for name, layer in _adapted(base)}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
-        out[key.replace(".base_layer.", ".")] = merged.get(key, value)
-    return out
+        if key in adapted:
+            with torch.no_grad():
+                value = adapted_weight(adapted[key])
+        yield key.replace(".base_layer.", "."), value
+
+
+def plain_weights(model) -> dict[str, torch.Tensor]:
+    """``plain_weight_items`` as one mapping (every merged matrix at once)."""
+    return dict(plain_weight_items(model))

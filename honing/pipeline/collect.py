@@ -20,6 +20,7 @@ from honing.config import Config
 from honing.pipeline.components import Components
 from honing.rewards.shaping import overlong_penalty
 from honing.rollout.base import GenerationRequest
+from honing.seeds import round_seed
 from honing.types import Rollout, Score
 
 
@@ -80,14 +81,13 @@ def generate_round(parts: Components, prompts: list, round_index: int, seed: int
         GenerationRequest(p.id, parts.prompt_ids[p.id], base + i) for i, p in enumerate(prompts)
     ]
     t0 = time.perf_counter()
-    lost_before = getattr(parts.engine, "regenerated", 0)  # remote engines: failed requests
-    rollouts = parts.engine.generate(
-        requests, replace(parts.train_sampling, seed=seed + round_index)
-    )
-    regenerated = getattr(parts.engine, "regenerated", 0) - lost_before
+    engine = parts.engine
+    lost_before = engine.regenerated  # samples of failed remote requests and dead workers
+    sampling = replace(parts.train_sampling, seed=round_seed(seed, round_index))
+    rollouts = engine.generate(requests, sampling)
+    regenerated = engine.regenerated - lost_before
     seconds = time.perf_counter() - t0
-    take_report = getattr(parts.engine, "take_report", None)  # speculation, Ray workers
-    report = take_report() if take_report is not None else ({}, [])
+    report = engine.take_report()  # speculation, timeouts, Ray workers
     return Generated(prompts, requests, rollouts, seconds, regenerated, report)
 
 

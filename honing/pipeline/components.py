@@ -1,11 +1,12 @@
-"""Build every part of a run from the config: model, data, engine, scorer, optimizer.
+"""Build every part of a run from the config: model, trainer engines, rollout engines, data,
+scorer, settings.
 
-This is the one place that reads the config tree and hands plain values to the layers below.
+This is the one place that reads the config tree and hands plain values to the layers below
+(the data and the scorer: ``inputs``; the rules between keys: ``rules``, checked before).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,29 +16,28 @@ import torch
 
 from honing.algorithms.kl_control import KLController
 from honing.config import Config
-from honing.data import (
-    PromptSource,
-    arithmetic_prompts,
-    load_prompts,
-    render_prompt,
-    warmstart_corpus,
-)
-from honing.errors import ConfigError, DataError
+from honing.data import PromptSource, warmstart_corpus
+from honing.errors import ConfigError
 from honing.models.loading import (
     apply_lora,
     check_mergeable,
     check_model_dir,
     load_causal_lm,
     load_tokenizer,
-    plain_weights,
     resolve_device,
 )
 from honing.models.tiny import TinySpec, build_tiny_model
-from honing.rewards import Scorer, format_reward, numeric_reward, parse_number
+from honing.pipeline.inputs import (
+    build_scorer,
+    check_ground_truths,
+    load_datasets,
+    tokenize_prompts,
+)
+from honing.rewards import Scorer
 from honing.rollout.base import RolloutEngine, SamplingParams
-from honing.rollout.mtp import MTP_PREFIX
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
+from honing.trainer.engine import OneProcess, Replicated, TrainedModule, TrainerEngine
 from honing.trainer.optim import build_optimizer
 from honing.trainer.packed import packed_supported
 from honing.trainer.update import UpdateSettings
@@ -50,15 +50,33 @@ TINY_MAX_DIGITS = 2
 TINY_SLIP_RATE = 0.7
 
 
-@dataclass
+@dataclass(frozen=True)
+class Trainers:
+    """The run's trained modules, each behind its trainer engine: the policy, and the critic
+    (``algorithm.advantage=gae``) and the MTP heads (``rollout.speculative=mtp``) when present.
+    Whatever concerns all of them (checkpoints, the torchrun state message, offload)
+    iterates ``all()``."""
+
+    policy: TrainerEngine
+    critic: TrainerEngine | None = None
+    mtp: TrainerEngine | None = None
+
+    def all(self) -> list[TrainerEngine]:
+        return [e for e in (self.policy, self.critic, self.mtp) if e is not None]
+
+
+@dataclass(frozen=True)
 class Components:
-    """Everything the loop needs, built once per run."""
+    """Everything the loop needs, built once per run. Frozen: a stage that needs another view
+    (the producer's engine and scorers, the Ray pools, a rollback's settings) makes one with
+    ``dataclasses.replace``; the objects inside keep their own state (weights, the data
+    cursor, the KL controller's coefficient)."""
 
     model_path: Path
     device: torch.device
     tokenizer: object
-    policy: torch.nn.Module
-    reference: torch.nn.Module | None
+    trainers: Trainers
+    reference: torch.nn.Module | None  # the frozen reference (kl_coef > 0, not LoRA)
     engine: RolloutEngine  # samples the training batches (in-process or remote)
     val_engine: TransformersEngine  # in-process on the policy itself: validation
     scorer: Scorer
@@ -67,18 +85,17 @@ class Components:
     prompt_ids: dict[str, list[int]]  # rendered and tokenized, by prompt id
     rendered: dict[str, str]
     source: PromptSource
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     update: UpdateSettings
     train_sampling: SamplingParams
     kl_controller: KLController
     skipped_rows: int
-    critic: torch.nn.Module | None = None  # gae: a value head on a copy of the backbone
-    critic_optimizer: torch.optim.Optimizer | None = None
     # Another scorer like ``scorer`` (the async producer's scoring threads each need one).
     make_scorer: Callable[[], Scorer] | None = None
-    mtp: torch.nn.Module | None = None  # rollout.speculative=mtp: the heads, trained online
-    mtp_optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The policy module (the in-process engines sample with it)."""
+        return self.trainers.policy.module
 
 
 def cache_dir(config: Config) -> Path:
@@ -91,8 +108,6 @@ def resolve_model_path(config: Config, log=print) -> Path:
     """A local model directory; ``builtin:tiny`` is built (or found in the cache) first."""
     if config.model.path == BUILTIN_TINY:
         return builtin_tiny_model(cache_dir(config), log=log)
-    if not config.model.path:
-        raise ConfigError("model.path is empty; give a local model directory or builtin:tiny")
     return check_model_dir(config.model.path)
 
 
@@ -105,99 +120,6 @@ def builtin_tiny_model(directory: Path, log=print) -> Path:
         TINY_CORPUS_SIZE, seed=0, max_digits=TINY_MAX_DIGITS, slip_rate=TINY_SLIP_RATE
     )
     return build_tiny_model(directory, corpus, TinySpec(), log=log)
-
-
-def load_datasets(config: Config) -> tuple[list[Prompt], list[Prompt], int]:
-    """Training and validation prompts, from files when given, else the built-in task."""
-    data = config.data
-    if data.train_files:
-        if not data.val_files:
-            raise ConfigError(
-                "data.val_files is empty; validation needs held-out prompts "
-                "(set data.val_files with data.train_files)"
-            )
-        train, skipped = load_prompts(data.train_files, on_bad_row=data.on_bad_row)
-        val, skipped_val = load_prompts(data.val_files, on_bad_row=data.on_bad_row)
-        # Ids name file and row; the prefix keeps a validation row from ever being taken for
-        # a training row of a file with the same name.
-        val = [dataclasses.replace(p, id=f"val/{p.id}") for p in val]
-        return train, val, skipped + skipped_val
-    if data.val_files:
-        raise ConfigError("data.val_files is set but data.train_files is empty; set both")
-    seed = config.trainer.seed
-    digits = {"max_digits": data.max_digits, "min_digits": data.min_digits}
-    train = arithmetic_prompts("train", data.train_size, seed, **digits)
-    val = arithmetic_prompts("val", data.val_size, seed, **digits)
-    return train, val, 0
-
-
-# Characters of a prompt tokenized before the whole of it: any real vocabulary averages
-# far fewer characters per token, so a prefix this long that is already too long settles it.
-CHARS_PER_TOKEN_BOUND = 32
-
-
-def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
-    """Render (chat template when the tokenizer has one) and tokenize each distinct prompt.
-
-    A prompt of ``rollout.max_seq_len`` tokens or more is a DataError naming its file and line;
-    a very long one is found from its first ``CHARS_PER_TOKEN_BOUND * max_seq_len`` characters,
-    without tokenizing all of it."""
-    rendered, ids = {}, {}
-    special = not getattr(tokenizer, "chat_template", None)  # templates carry their own
-    prefix_chars = CHARS_PER_TOKEN_BOUND * max_seq_len
-    for prompt in prompts:
-        if prompt.id in ids:
-            continue
-        text = render_prompt(prompt, tokenizer)
-        if len(text) > prefix_chars:
-            head = tokenizer.encode(text[:prefix_chars], add_special_tokens=special)
-            if len(head) >= max_seq_len:
-                _too_long(
-                    prompt, f"at least {len(head)} tokens ({len(text)} characters)", max_seq_len
-                )
-        tokens = tokenizer.encode(text, add_special_tokens=special)
-        if len(tokens) >= max_seq_len:
-            _too_long(prompt, f"{len(tokens)} tokens", max_seq_len)
-        rendered[prompt.id], ids[prompt.id] = text, tokens
-    return rendered, ids
-
-
-def _too_long(prompt: Prompt, size: str, max_seq_len: int) -> None:
-    where = prompt.origin or f"prompt {prompt.id}"
-    raise DataError(
-        f"{where}: the prompt has {size}, not less than rollout.max_seq_len={max_seq_len}; "
-        "raise it or shorten the prompt"
-    )
-
-
-def build_scorer(config: Config) -> Scorer:
-    """The run's scorer: the routed main reward (or the verifier service's client) plus the
-    weighted components (``reward.weights``, ``reward.format_weight``)."""
-    from honing.rewards.routing import VerifierSettings, build_builtin, build_router
-
-    r = config.reward
-    settings = VerifierSettings(r.workers, r.math_timeout_s, r.code_timeout_s)
-    client = None
-    if r.endpoint:
-        from honing.rewards.remote import VerifierClient
-
-        client = VerifierClient(
-            r.endpoint,
-            timeout_s=r.timeout_s,
-            retries=r.retries,
-            request_items=r.request_items,
-            max_concurrency=r.max_concurrency,
-            cache_size=r.cache_size,
-        )
-    router = build_router(r.function, r.routes, settings, fallback=client)
-    weighted = [(spec, build_builtin(spec, settings), w) for spec, w in r.weights.items()]
-    return Scorer(
-        router,
-        weighted=weighted,
-        format_fn=format_reward if r.format_weight else None,
-        format_weight=r.format_weight,
-        on_error=r.on_error,
-    )
 
 
 def update_settings(config: Config) -> UpdateSettings:
@@ -222,75 +144,6 @@ def update_settings(config: Config) -> UpdateSettings:
     )
 
 
-def check_names(config: Config) -> None:
-    """Registry names in the config exist (a clear error before anything heavy loads)."""
-    from honing.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-
-    for key, value, registry in (
-        ("algorithm.advantage", config.algorithm.advantage, ADVANTAGE_ESTIMATORS),
-        ("algorithm.policy_loss", config.algorithm.policy_loss, POLICY_LOSSES),
-        ("algorithm.loss_agg", config.algorithm.loss_agg, LOSS_AGGREGATIONS),
-    ):
-        if value not in registry:
-            raise ConfigError(
-                f"{key}: {value!r} is not known; choose one of: {', '.join(sorted(registry))}"
-            )
-    if 0 < config.algorithm.clip_ratio_c <= 1:
-        raise ConfigError(
-            "algorithm.clip_ratio_c: the dual-clip bound must be > 1 (e.g. 3), or 0 for off"
-        )
-    if config.algorithm.clip_ratio_c and config.algorithm.policy_loss != "ppo_clip":
-        raise ConfigError("algorithm.clip_ratio_c: dual clip applies to ppo_clip only")
-    if config.reward.overlong_buffer_len >= config.rollout.max_new_tokens:
-        raise ConfigError(
-            f"reward.overlong_buffer_len: {config.reward.overlong_buffer_len} must be less "
-            f"than rollout.max_new_tokens={config.rollout.max_new_tokens}"
-        )
-    if config.algorithm.kl_in_reward and config.algorithm.kl_coef == 0:
-        raise ConfigError(
-            "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
-            "starting coefficient)"
-        )
-    from honing.pipeline.alerting import parse_rules
-
-    rules = parse_rules(config.monitor)
-    if config.algorithm.kl_coef == 0 and any("kl_coef" in r.rollback for r in rules):
-        raise ConfigError(
-            "monitor.alerts: rollback(kl_coef=...) needs algorithm.kl_coef > 0 (a reference "
-            "model is loaded only then)"
-        )
-    if config.algorithm.advantage == "grpo" and config.rollout.group_size < 2:
-        raise ConfigError(
-            "rollout.group_size: grpo compares samples within a group; with group_size="
-            f"{config.rollout.group_size} every advantage is 0. Use group_size >= 2"
-        )
-
-
-def check_ground_truths(prompts: list[Prompt], scorer: Scorer) -> None:
-    """Every prompt has a reward function, and those scored by the numeric check have numeric
-    ground truths: found at load time, not hours into the run when the prompt is drawn."""
-    router = scorer.reward_fn
-    sources = {p.data_source for p in prompts}
-    unrouted = router.unrouted(sources)
-    if unrouted:
-        raise DataError(
-            f"no reward function for data_source {unrouted[0]!r}; add it to reward.routes "
-            f"(e.g. reward.routes={{{unrouted[0]!r}: math}}) or set reward.function"
-        )
-    for prompt in prompts:
-        spec = router.route(prompt.data_source)
-        if spec != "numeric" and not (spec is None and router.fallback is numeric_reward):
-            continue
-        truths = (
-            prompt.ground_truth if isinstance(prompt.ground_truth, list) else [prompt.ground_truth]
-        )
-        if not truths or any(parse_number(str(t)) is None for t in truths):
-            raise DataError(
-                f"{prompt.id}: ground truth {prompt.ground_truth!r} is not a number; the numeric "
-                "reward needs one (or set reward.function to your own verifier)"
-            )
-
-
 def frozen_model(path: Path, tokenizer, config: Config, device: torch.device):
     """A causal LM that is only read (the reference, a draft): eval mode, no gradients."""
     m = config.model
@@ -300,14 +153,16 @@ def frozen_model(path: Path, tokenizer, config: Config, device: torch.device):
     return model.requires_grad_(False)
 
 
-def build_components(config: Config, log=print) -> Components:
-    check_names(config)
+def build_components(config: Config, log=print, group=None) -> Components:
+    """The run's parts from ``config`` (checked by ``rules.check_config`` first). ``group``:
+    the torchrun process group, when the run has several ranks; the policy and the critic
+    then train replicated over it."""
     scorer = build_scorer(config)
     train, val, skipped = load_datasets(config)
     check_ground_truths(train + val, scorer)
     device = resolve_device(config.model.device)
     model_path = resolve_model_path(config, log=log)
-    m = config.model
+    m, rollout = config.model, config.rollout
     tokenizer = load_tokenizer(model_path, trust_remote_code=m.trust_remote_code)
     policy = load_causal_lm(
         model_path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
@@ -317,33 +172,55 @@ def build_components(config: Config, log=print) -> Components:
         (enable or policy.gradient_checkpointing_enable)()
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
-        if config.rollout.engine != "transformers" or config.pipeline.backend == "ray":
+        if rollout.engine != "transformers" or config.pipeline.backend == "ray":
             check_mergeable(policy)  # engines in other processes get the adapters merged
     if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
         reference = frozen_model(model_path, tokenizer, config, device)
-    critic = critic_optimizer = None
-    if config.algorithm.advantage == "gae":
-        critic_dir = (
-            check_model_dir(m.critic_path, "model.critic_path") if m.critic_path else model_path
-        )
-        backbone = load_causal_lm(
-            critic_dir,
-            tokenizer,
-            dtype=m.dtype,
-            device=device,
-            trust_remote_code=m.trust_remote_code,
-        )
-        critic = ValueModel(backbone).to(device)
-        critic_optimizer = torch.optim.AdamW(
-            critic.parameters(),
-            lr=config.trainer.critic_lr,
-            weight_decay=config.trainer.weight_decay,
-        )
-    rollout = config.rollout
     rendered, prompt_ids = tokenize_prompts(train + val, tokenizer, rollout.max_seq_len)
+    local = local_engine(config, policy, tokenizer, device)
+    if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
+        reason = local.fast_decode_reason
+        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
+    engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
+    layout = Replicated(group) if group is not None else OneProcess()
+    trainers = Trainers(
+        policy=policy_trainer(config, policy, layout),
+        critic=critic_trainer(config, model_path, tokenizer, device, layout),
+        mtp=mtp_trainer(config, local),
+    )
+    t = config.trainer
+    return Components(
+        model_path=model_path,
+        device=device,
+        tokenizer=tokenizer,
+        trainers=trainers,
+        reference=reference,
+        engine=engine,
+        val_engine=local,
+        scorer=scorer,
+        train_prompts=train,
+        val_prompts=val,
+        prompt_ids=prompt_ids,
+        rendered=rendered,
+        source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
+        update=update_settings(config),
+        train_sampling=train_sampling(config),
+        skipped_rows=skipped,
+        kl_controller=KLController(
+            config.algorithm.kl_coef,
+            config.algorithm.kl_ctrl,
+            config.algorithm.kl_target,
+            config.algorithm.kl_horizon,
+        ),
+        make_scorer=lambda: build_scorer(config),
+    )
+
+
+def policy_trainer(config: Config, policy, layout) -> TrainedModule:
+    """The policy's AdamW (over its trainable parameters) and learning-rate schedule."""
     t = config.trainer
     optimizer, scheduler = build_optimizer(
         policy,
@@ -355,64 +232,38 @@ def build_components(config: Config, log=print) -> Components:
         schedule=t.lr_schedule,
         min_ratio=t.min_lr_ratio,
     )
-    local = local_engine(config, policy, tokenizer, device)
-    if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
-        reason = local.fast_decode_reason
-        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
-    mtp = local.speculation.draft_model if rollout.speculative == "mtp" else None
-    engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
-    parts = Components(
-        model_path=model_path,
-        device=device,
-        tokenizer=tokenizer,
-        policy=policy,
-        reference=reference,
-        engine=engine,
-        val_engine=local,
-        scorer=scorer,
-        train_prompts=train,
-        val_prompts=val,
-        prompt_ids=prompt_ids,
-        rendered=rendered,
-        source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        update=update_settings(config),
-        train_sampling=train_sampling(config),
-        skipped_rows=skipped,
-        critic=critic,
-        critic_optimizer=critic_optimizer,
-        kl_controller=KLController(
-            config.algorithm.kl_coef,
-            config.algorithm.kl_ctrl,
-            config.algorithm.kl_target,
-            config.algorithm.kl_horizon,
-        ),
-        make_scorer=lambda: build_scorer(config),
-        mtp=mtp,
-        mtp_optimizer=torch.optim.AdamW(mtp.parameters(), lr=rollout.mtp_lr) if mtp else None,
+    return TrainedModule(
+        "policy", policy, optimizer, scheduler, layout=layout, serves_generation=True
     )
-    if config.pipeline.backend == "ray":  # rollout and reward workers as Ray actors
-        from honing.pipeline import ray_backend
-
-        parts = ray_backend.attach(config, parts, model_path)
-    return parts
 
 
-def engine_weights(
-    policy: torch.nn.Module, engine: RolloutEngine, mtp: torch.nn.Module | None = None
-) -> dict[str, torch.Tensor]:
-    """The policy's weights as ``engine`` loads them. An in-process engine's model is a copy of
-    the policy module (a LoRA policy's too), and it shares the MTP heads: the state dict.
-    Engines in other processes (Ray rollout workers, inference servers) hold the plain model:
-    a LoRA policy's adapters reach them merged into the base weights, and the MTP heads
-    trained here (``mtp``) come along under ``MTP_PREFIX``."""
-    if isinstance(engine, TransformersEngine):
-        return policy.state_dict()
-    weights = plain_weights(policy)
-    if mtp is not None:
-        weights |= {MTP_PREFIX + k: v for k, v in mtp.state_dict().items()}
-    return weights
+def critic_trainer(config: Config, model_path: Path, tokenizer, device, layout):
+    """``algorithm.advantage=gae``: a value head on a copy of the backbone
+    (``model.critic_path``, default ``model.path``) with its own AdamW; else None."""
+    if config.algorithm.advantage != "gae":
+        return None
+    m = config.model
+    critic_dir = model_path
+    if m.critic_path:
+        critic_dir = check_model_dir(m.critic_path, "model.critic_path")
+    backbone = load_causal_lm(
+        critic_dir, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
+    )
+    critic = ValueModel(backbone).to(device)
+    optimizer = torch.optim.AdamW(
+        critic.parameters(), lr=config.trainer.critic_lr, weight_decay=config.trainer.weight_decay
+    )
+    return TrainedModule("critic", critic, optimizer, layout=layout)
+
+
+def mtp_trainer(config: Config, local: TransformersEngine):
+    """``rollout.speculative=mtp``: the heads the engine drafts with, trained online in this
+    process (under torchrun: on rank 0, which alone drafts with them); else None."""
+    if config.rollout.speculative != "mtp":
+        return None
+    heads = local.speculation.draft_model
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.rollout.mtp_lr)
+    return TrainedModule("mtp", heads, optimizer, serves_generation=True)
 
 
 def local_engine(config: Config, model, tokenizer, device: torch.device) -> TransformersEngine:
@@ -446,27 +297,13 @@ def train_sampling(config: Config) -> SamplingParams:
 
 def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     """``rollout.speculative``'s settings, with the draft model loaded or the MTP heads made
-    for ``policy`` (None when off)."""
+    for ``policy`` (None when off, or when the servers speculate)."""
     from honing.rollout.fast_decode import supports
     from honing.rollout.speculative import Speculation
 
     rollout = config.rollout
-    if rollout.speculative == "server":
-        if rollout.engine != "openai":
-            raise ConfigError(
-                "rollout.speculative=server reads the acceptance remote servers report; it "
-                "needs rollout.engine=openai (for honing's own engine: ngram, draft or mtp)"
-            )
+    if rollout.speculative in ("off", "server"):
         return None
-    if rollout.speculative == "off":
-        return None
-    if rollout.engine != "transformers":
-        raise ConfigError(
-            "rollout.speculative applies to honing's own engine; for vLLM or SGLang servers "
-            "start them with their speculative options and set rollout.speculative=server"
-        )
-    if not rollout.fast_decode:
-        raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
     reason = supports(policy) if policy is not None else True
     if reason is not True:
         raise ConfigError(
@@ -478,8 +315,6 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
 
         draft = MtpHeads(policy.config.hidden_size, rollout.spec_tokens).to(device)
     if rollout.speculative == "draft":
-        if not rollout.spec_draft:
-            raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")
         draft = frozen_model(
             check_model_dir(rollout.spec_draft, "rollout.spec_draft"), tokenizer, config, device
         )
@@ -502,10 +337,6 @@ def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
 
     rollout = config.rollout
     endpoints = [url for url in rollout.endpoints.split(",") if url.strip()]
-    if not endpoints:
-        raise ConfigError("rollout.engine=openai needs rollout.endpoints (server URLs)")
-    if rollout.weight_sync == "disk" and not rollout.weight_dir:
-        raise ConfigError("rollout.weight_sync=disk needs rollout.weight_dir")
     return OpenAIEngine(
         endpoints,
         local.tokenizer,

@@ -25,6 +25,11 @@ import torch
 
 from honing.config import Config
 from honing.errors import UserError
+from honing.monitor import RunLogger
+from honing.pipeline.components import build_components
+from honing.pipeline.inputs import build_scorer, check_ground_truths, load_datasets
+from honing.pipeline.loop import TrainLoop
+from honing.pipeline.rules import check_config
 from honing.rewards.registry import describe_error
 from honing.rewards.remote import score_url
 
@@ -63,16 +68,9 @@ class _Skip(Exception):
 
 def run_doctor(config: Config, output_dir: Path) -> list[Check]:
     """Every check's row, in order (module docstring)."""
-    from honing.pipeline.components import (
-        build_scorer,
-        check_ground_truths,
-        check_names,
-        load_datasets,
-    )
-
     doctor = _Doctor(config, output_dir)
     state: dict[str, Any] = {}
-    doctor.run("config", lambda: (check_names(config), "names and rules valid")[1])
+    doctor.run("config", lambda: (check_config(config), "names and rules valid")[1])
 
     def data() -> str:
         train, val, skipped = load_datasets(config)
@@ -164,9 +162,6 @@ def _gpu() -> str:
 
 
 def _model_and_step(doctor: _Doctor, config: Config) -> None:
-    from honing.monitor import RunLogger
-    from honing.pipeline.components import build_components
-    from honing.pipeline.loop import TrainLoop
 
     state: dict[str, Any] = {}
 

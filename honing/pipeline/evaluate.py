@@ -11,9 +11,29 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from honing.checkpoint.manifest import MANIFEST, verify
+from honing.config import Config
+from honing.errors import ConfigError
+from honing.models.loading import (
+    check_model_dir,
+    load_causal_lm,
+    load_tokenizer,
+    peft_quietly,
+    resolve_device,
+)
+from honing.pipeline.components import local_engine, resolve_model_path, train_sampling
+from honing.pipeline.inputs import (
+    build_scorer,
+    check_ground_truths,
+    load_datasets,
+    tokenize_prompts,
+)
+from honing.pipeline.rules import check_config
 from honing.rewards import Scorer
 from honing.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from honing.seeds import validation_seed
 from honing.types import Prompt, Rollout
 
 RESCORE_WAITS_S = (1.0, 2.0)  # pauses before each further try of the failed scores
@@ -104,7 +124,7 @@ def validate(
     }
 
 
-def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
+def evaluate_model(config: Config, model_path: str, log=print) -> dict[str, float]:
     """``honing eval``: the validation metrics of the model at ``model_path`` on the config's
     validation prompts, sampled exactly as a run validates (same seed and settings), so a
     checkpoint scores what its run logged at that step.
@@ -113,30 +133,10 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
     in Hugging Face format), or a LoRA run's checkpoint (the adapter, loaded onto the config's
     ``model.path`` as base + adapter).
     """
-    from pathlib import Path
-
-    from honing.errors import ConfigError
-    from honing.models.loading import (
-        check_model_dir,
-        load_causal_lm,
-        load_tokenizer,
-        peft_quietly,
-    )
-    from honing.models.loading import resolve_device as device_of
-    from honing.pipeline.components import (
-        build_scorer,
-        check_ground_truths,
-        load_datasets,
-        local_engine,
-        resolve_model_path,
-        tokenize_prompts,
-        train_sampling,
-    )
-    from honing.pipeline.loop import step_seed
-
+    check_config(config)
     path, m = Path(model_path), config.model
     check_files(path, log)
-    device = device_of(m.device)
+    device = resolve_device(m.device)
     scorer = build_scorer(config)
     try:
         _, val, _ = load_datasets(config)
@@ -165,7 +165,7 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
         rendered, prompt_ids = tokenize_prompts(val, tokenizer, config.rollout.max_seq_len)
         engine = local_engine(config, model, tokenizer, device)
         sampling = dataclasses.replace(
-            train_sampling(config), seed=step_seed(config.trainer.seed, -1)
+            train_sampling(config), seed=validation_seed(config.trainer.seed)
         )  # as the run validates (TrainLoop._validate)
         metrics = validate(
             engine,
@@ -184,12 +184,9 @@ def evaluate_model(config, model_path: str, log=print) -> dict[str, float]:
     return metrics | {"val/prompts": float(len(val))}
 
 
-def check_files(path, log) -> None:
+def check_files(path: Path, log) -> None:
     """A checkpoint's files must match its manifest (as ``--resume`` checks); a directory
     without one (a plain model directory) is loaded as it is, and said so."""
-    from honing.checkpoint.manifest import MANIFEST, verify
-    from honing.errors import ConfigError
-
     if not path.is_dir():
         raise ConfigError(f"--model {path}: no such directory")
     if not (path / MANIFEST).exists():

@@ -1,6 +1,6 @@
 """Scored rollouts -> experience: padded tensors, reference / old logprobs, advantages.
 
-The stage between scoring and the update in DESIGN.md's data flow. In order:
+The stage between scoring and the update in docs/design.md's data flow. In order:
 1. collate the rollouts ([N, P + R] inputs, [N, R] response tensors);
 2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``) and the pre-update
    policy (when several optimizer steps follow, for TIS, or for a KL reward penalty);
@@ -91,7 +91,8 @@ def make_experience(
                         parts.policy, batch, temperature=temperature, packed=packed
                     )
             metrics["timing_s/ref"] = time.perf_counter() - started
-        old_values = parts.critic(batch) if parts.critic is not None else None
+        critic = parts.trainers.critic
+        old_values = critic.module(batch) if critic is not None else None
         if needs_old_logprobs(config, parts, len(batch)):
             started = time.perf_counter()
             old_logprobs, _ = response_logprobs(

@@ -13,7 +13,6 @@ failed score, also those trained with a recorded 0 (``reward.on_error=zero``).
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -23,33 +22,29 @@ import torch
 
 from honing.checkpoint import CheckpointManager
 from honing.config import Config
-from honing.errors import ConfigError, RunStopped
+from honing.errors import RunStopped
 from honing.monitor import RunLogger
 from honing.monitor.logger import distribution_metrics
 from honing.monitor.system import system_metrics
 from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
 from honing.pipeline.collect import Collected, collect
-from honing.pipeline.components import Components, engine_weights
-from honing.pipeline.data_parallel import SpreadEngine
+from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import make_experience
 from honing.pipeline.offload import Offloader
-from honing.pipeline.producer import RolloutProducer, check_supported
-from honing.pipeline.state import load_training_state, save_training_state, send_weights
-from honing.rollout.transformers_engine import TransformersEngine
-from honing.trainer.critic import update_critic
+from honing.pipeline.peers import Alone, Peers
+from honing.pipeline.producer import RolloutProducer
+from honing.pipeline.state import load_training_state, save_training_state
+from honing.pipeline.update import UpdateInputs, apply_update
+from honing.pipeline.weight_sync import send_weights, snapshot
+from honing.seeds import step_seed, validation_seed
 from honing.trainer.mtp import train_mtp
-from honing.trainer.update import update_policy
 from honing.types import Rollout, Score
 
 
-def step_seed(seed: int, step: int) -> int:
-    """Sampling seed of a step: independent of history, so resumed runs replay exactly."""
-    return (seed * 1_000_003 + step * 7919) % (2**63)
-
-
 class TrainLoop:
-    """Runs steps ``start+1 .. total_steps`` of one run."""
+    """Runs steps ``start+1 .. total_steps`` of one run; ``peers``: the run's other processes
+    (torchrun ranks), which share its updates and may share its generation."""
 
     def __init__(
         self,
@@ -57,22 +52,15 @@ class TrainLoop:
         parts: Components,
         logger: RunLogger,
         checkpoints: CheckpointManager,
-        data_parallel=None,
+        peers: Peers | None = None,
     ):
-        self.data_parallel = data_parallel  # rank 0's Leader under torchrun, else None
+        self.peers = peers or Alone()
         self.config = config
-        if (
-            data_parallel is not None
-            and config.pipeline.spread_generation
-            and isinstance(parts.engine, TransformersEngine)
-            and parts.mtp is None  # the MTP heads train on rank 0 alone
-        ):  # every rank samples its share
-            chunk = config.pipeline.rollout_chunk
-            parts = replace(
-                parts,
-                engine=SpreadEngine(data_parallel, parts.engine, chunk),
-                val_engine=SpreadEngine(data_parallel, parts.val_engine, chunk),
-            )
+        parts = replace(
+            parts,
+            engine=self.peers.spread(parts.engine),
+            val_engine=self.peers.spread(parts.val_engine),
+        )
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
@@ -110,12 +98,6 @@ class TrainLoop:
         """Under ``one_step`` / ``async``, rollouts are produced ahead on other threads."""
         if self.config.schedule.mode == "sync":
             return
-        unsupported = check_supported(self.config)
-        if unsupported:
-            raise ConfigError(
-                f"{unsupported} is not supported with schedule.mode="
-                f"{self.config.schedule.mode} yet; use schedule.mode=sync"
-            )
         seed = self.config.trainer.seed
         self.producer = RolloutProducer(
             self.config, self.parts, start_step, lambda step: step_seed(seed, step)
@@ -180,26 +162,28 @@ class TrainLoop:
         scale accumulates over rollbacks); returns the checkpoint's step."""
         parts = self.parts
         step = load_training_state(parts, checkpoint)
-        if self.data_parallel is not None:
-            self.data_parallel.weights_changed()
+        self.peers.weights_changed()
         self.lr_scale *= changes.get("lr_scale", 1.0)
-        scheduler = parts.scheduler
+        policy = parts.trainers.policy
+        scheduler = policy.scheduler
         scheduler.base_lrs = [lr * self.lr_scale for lr in scheduler.base_lrs]
         scheduler._last_lr = [lr * self.lr_scale for lr in scheduler.get_last_lr()]
-        for group, lr in zip(parts.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        for group, lr in zip(policy.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
+        sampling, update = parts.train_sampling, parts.update
         if "temperature" in changes:
-            parts.train_sampling = replace(parts.train_sampling, temperature=changes["temperature"])
-            parts.update = replace(parts.update, temperature=changes["temperature"])
+            sampling = replace(sampling, temperature=changes["temperature"])
+            update = replace(update, temperature=changes["temperature"])
         if "kl_coef" in changes:
             parts.kl_controller.value = changes["kl_coef"]
             if not self.config.algorithm.kl_in_reward:
-                parts.update = replace(parts.update, kl_coef=changes["kl_coef"])
+                update = replace(update, kl_coef=changes["kl_coef"])
+        self.parts = replace(parts, train_sampling=sampling, update=update)
         return step
 
     def _validate(self, step: int) -> dict[str, float]:
         parts = self.parts
-        sampling = replace(parts.train_sampling, seed=step_seed(self.config.trainer.seed, -1))
+        sampling = replace(parts.train_sampling, seed=validation_seed(self.config.trainer.seed))
         metrics = validate(
             parts.val_engine,
             parts.scorer,
@@ -210,9 +194,9 @@ class TrainLoop:
             self.config.rollout.val_samples,
             on_event=lambda kind, **fields: self.logger.log_event(kind, step=step, **fields),
         )
-        if isinstance(parts.val_engine, SpreadEngine):  # validation spread over the ranks
-            ranks = parts.val_engine.take_report()[0].get("rollout/generation_ranks")
-            metrics |= {"val/generation_ranks": ranks} if ranks else {}
+        ranks = parts.val_engine.take_report()[0].get("rollout/generation_ranks")
+        if ranks:  # validation spread over torchrun ranks
+            metrics["val/generation_ranks"] = ranks
         return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -251,16 +235,14 @@ class TrainLoop:
             )
         metrics["samples/filtered"] += metrics.get("samples/filtered_truncated", 0)
         self._check_accounting(step, metrics)
-        if parts.critic is None or step > cfg.trainer.critic_warmup_steps:
-            parts.scheduler.step()  # the policy's schedule starts when the policy does
+        if parts.trainers.critic is None or step > cfg.trainer.critic_warmup_steps:
+            parts.trainers.policy.scheduler.step()  # the policy's schedule starts with it
         t_sync = time.perf_counter()
         if self.producer is None:
             send_weights(parts, step)
         else:  # the producer's engine gets them on its own thread
             parts.val_engine.load_weights(step)
-            weights = engine_weights(parts.policy, self.producer.engine, parts.mtp)
-            weights = {k: v.detach().clone() for k, v in weights.items()}
-            self.producer.publish(step, weights)
+            self.producer.publish(step, snapshot(parts, self.producer.engine))
         t_end = time.perf_counter()
         metrics["timing_s/sync"] = t_end - t_sync  # ~0 when the engine shares the module
         generated = sum(len(r.response_ids) for r in got.rollouts)
@@ -290,7 +272,7 @@ class TrainLoop:
 
     @staticmethod
     def _check_accounting(step: int, metrics: dict) -> None:
-        """DESIGN.md's invariant: every generated sample is trained, filtered or failed."""
+        """docs/design.md's invariant: every generated sample is trained, filtered or failed."""
         parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
         if metrics["samples/generated"] != sum(metrics[k] for k in parts):
             raise RuntimeError(
@@ -299,55 +281,37 @@ class TrainLoop:
             )
 
     def _update(self, step: int, got: Collected) -> dict:
-        parts, settings = self.parts, self.parts.update
+        parts, trainers = self.parts, self.parts.trainers
         reloaded = self.offload.before_update()
         self.offload.mark()
         t0 = time.perf_counter()
         rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
         exp = make_experience(self.config, parts, rollouts, rewards, got.baselines)
-        batch, advantages, metrics = exp.batch, exp.advantages, exp.metrics
-        old_logprobs, ref_logprobs = exp.old_logprobs, exp.ref_logprobs
         t_update = time.perf_counter()
-        seed = step_seed(self.config.trainer.seed, step)
         # PPO's critic fits the values first; during its warm-up the policy waits.
-        act = parts.critic is None or step > self.config.trainer.critic_warmup_steps
-        value_clip, group = self.config.algorithm.value_clip, None
-        in_step = contextlib.nullcontext()  # with other ranks: their share runs alongside
-        if self.data_parallel is not None:
-            in_step = self.data_parallel.update(exp, settings, seed, act, value_clip)
-            group = self.data_parallel.group
-        with in_step:
-            if parts.critic is not None:
-                metrics |= update_critic(
-                    parts.critic,
-                    parts.critic_optimizer,
-                    batch,
-                    exp.old_values,
-                    exp.returns,
-                    settings,
-                    clip=value_clip,
-                    generator=torch.Generator().manual_seed(seed + 1),
-                    group=group,
-                )
-                if not act:
-                    metrics["timing_s/update"] = time.perf_counter() - t_update
-                    return metrics | reloaded
-            generator = torch.Generator().manual_seed(seed)
-            metrics |= update_policy(
-                parts.policy,
-                parts.optimizer,
-                batch,
-                advantages,
-                settings,
-                old_logprobs=old_logprobs,
-                ref_logprobs=ref_logprobs,
-                generator=generator,
-                group=group,
-            )
-        metrics["actor/lr"] = parts.scheduler.get_last_lr()[0]
+        act = trainers.critic is None or step > self.config.trainer.critic_warmup_steps
+        inputs = UpdateInputs(
+            batch=exp.batch,
+            advantages=exp.advantages,
+            old_logprobs=exp.old_logprobs,
+            ref_logprobs=exp.ref_logprobs,
+            old_values=exp.old_values,
+            returns=exp.returns,
+            settings=parts.update,
+            seed=step_seed(self.config.trainer.seed, step),
+            act=act,
+            value_clip=self.config.algorithm.value_clip,
+            lr=tuple(group["lr"] for group in trainers.policy.optimizer.param_groups),
+        )
+        with self.peers.together("update", inputs):  # the other ranks run theirs alongside
+            metrics = exp.metrics | apply_update(trainers, inputs)
         metrics["timing_s/update"] = time.perf_counter() - t_update
-        if parts.mtp is not None:  # the draft heads learn the updated policy's hidden states
-            metrics |= train_mtp(parts.mtp, parts.mtp_optimizer, parts.policy, batch, generator)
+        if not act:
+            return metrics | reloaded
+        metrics["actor/lr"] = trainers.policy.scheduler.get_last_lr()[0]
+        if trainers.mtp is not None:  # the draft heads learn the updated policy's hidden states
+            generator = torch.Generator().manual_seed(inputs.seed)
+            metrics |= train_mtp(trainers.mtp, parts.policy, exp.batch, generator)
         metrics["timing_s/prepare"] = t_update - t0
         return metrics | reloaded | self.offload.peak("update")
 

@@ -3,7 +3,8 @@
 Under the sync schedule generation and the update take turns on one device. When device
 memory in use passes ``memory.offload_trigger_threshold`` (a fraction of the device's total,
 ``torch.cuda.mem_get_info``) as generation is about to start, the trainer's idle state goes to
-host memory: the optimizer's state, the reference model, the critic and its optimizer; the
+host memory: every trainer engine's optimizer state (the policy's, the critic's, the MTP
+heads'), the weights generation does not use (the critic's) and the reference model; the
 gradients the last update left are dropped (the next update zeroes them before use). It
 comes back before the update. After generation the engine's KV
 cache is gone (it lives for one generate call) and ``torch.cuda.empty_cache`` hands its
@@ -99,25 +100,11 @@ class Offloader:
 
     def _move(self, device: torch.device) -> float:
         """Moves the idle state to ``device``; returns the gigabytes moved."""
-        parts, moved = self.parts, 0
-        pin = device.type == "cpu" and torch.cuda.is_available()
-        optimizers = [parts.optimizer, parts.critic_optimizer]
-        for optimizer in [o for o in optimizers if o is not None]:
-            for state in optimizer.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        state[key] = value.to(device, non_blocking=not pin)
-                        if pin:
-                            state[key] = state[key].pin_memory()
-                        moved += value.numel() * value.element_size()
-        for model in [m for m in (parts.policy, parts.critic) if m is not None]:
-            for param in model.parameters():  # the update zeroes them before use: drop them
-                if param.grad is not None and device.type == "cpu":
-                    moved += param.grad.numel() * param.grad.element_size()
-                    param.grad = None
-        for model in [m for m in (parts.reference, parts.critic) if m is not None]:
-            moved += sum(p.numel() * p.element_size() for p in model.parameters())
-            model.to(device)
+        parts = self.parts
+        moved = sum(engine.offload(device) for engine in parts.trainers.all())
+        if parts.reference is not None:
+            moved += sum(p.numel() * p.element_size() for p in parts.reference.parameters())
+            parts.reference.to(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return moved / 1e9

@@ -26,8 +26,8 @@ within ``schedule.max_staleness``: generation for step k starts only once versio
 A batch that arrives staler than allowed (possible only when versions move backwards, e.g. a
 remote engine behind) is dropped and counted as ``samples/stale``. The loss corrects the
 off-policy rest with the behaviour logprobs each rollout carries (``algorithm.tis_level``).
-Not supported here yet (a ``ConfigError`` says so): dynamic sampling and ReMax, whose extra
-generation rounds depend on the scores of the first.
+Not supported here yet (``rules.check_config`` says so): dynamic sampling and ReMax, whose
+extra generation rounds depend on the scores of the first.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from dataclasses import dataclass, replace
 
 from honing.config import Config
 from honing.pipeline.collect import Collected, generate_round, score_round
-from honing.pipeline.components import Components, build_scorer
+from honing.pipeline.components import Components
+from honing.pipeline.inputs import build_scorer
 
 STOP = object()  # a scoring thread's end-of-work marker
 MAX_SCORERS = 4  # scoring threads at most (each holds a scorer: clients, worker pools)
@@ -78,7 +79,7 @@ class RolloutProducer:
         self.parts = replace(parts, engine=self.engine)
         self.start, self.total = start, config.trainer.total_steps
         self._lock = threading.Condition()
-        self._published: dict[int, dict | None] = {start: None}  # version -> weights
+        self._published: dict[int, list | None] = {start: None}  # version -> weights
         self._trained = start  # the newest published version
         self._cursors: dict[int, dict] = {}  # step -> data cursor before its prompts
         self._ready: dict[int, Produced] = {}
@@ -130,9 +131,9 @@ class RolloutProducer:
             "timing_s/engine_idle": engine_idle,
         }
 
-    def publish(self, version: int, weights: dict) -> None:
-        """The trainer's weights after update ``version`` (tensors the trainer will not
-        modify: pass copies)."""
+    def publish(self, version: int, weights: list) -> None:
+        """The trainer's weights after update ``version``, as (name, tensor) pieces the
+        trainer will not modify (``weight_sync.snapshot``)."""
         with self._lock:
             self._published[version] = weights
             self._trained = version
@@ -228,12 +229,3 @@ class RolloutProducer:
                 cursor = self._cursors[step]
                 self._ready[step] = Produced(step, version, cursor, out)
                 self._lock.notify_all()
-
-
-def check_supported(config: Config) -> str | None:
-    """Why ``config`` cannot run under its (non-sync) schedule, or None."""
-    if config.algorithm.dynamic_sampling:
-        return "algorithm.dynamic_sampling"
-    if config.algorithm.advantage == "remax":
-        return "algorithm.advantage=remax"
-    return None

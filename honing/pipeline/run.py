@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,10 +22,10 @@ from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.host import configure_host
 from honing.monitor import RunLogger
-from honing.pipeline import data_parallel
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.loop import TrainLoop
+from honing.pipeline.peers import Peers
 from honing.pipeline.state import CONFIG_FILE, load_training_state
 
 
@@ -121,25 +122,19 @@ class EventBuffer:
         self.pending.clear()
 
 
-def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
-    """Train per ``config`` into ``run_dir``; returns the summary (also in summary.json).
-    With ``pipeline.backend=ray`` the run goes on in a Ray actor (``ray_backend``)."""
-    check_run_dir(run_dir)
-    if config.pipeline.backend == "ray":
-        if data_parallel.world()[1] > 1:
-            raise UserError(
-                "pipeline.backend=ray does not run under torchrun; start one process "
-                "(the trainer actor holds the trainer)"
-            )
-        from honing.pipeline.ray_backend import train_on_ray
+@dataclass
+class Start:
+    """What is settled before anything loads: the checkpoint manager, the checkpoint to
+    resume from (None: from scratch) and the events found while choosing it."""
 
-        return train_on_ray(config, run_dir, resume)
-    return train_here(config, run_dir, resume, log)
+    checkpoints: CheckpointManager
+    checkpoint: Path | None
+    events: EventBuffer
 
 
-def train_here(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict:
-    """``train`` in this process."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+def prepare(config: Config, run_dir: Path, resume: str) -> Start:
+    """Chooses the checkpoint to resume from (``--resume auto|never|PATH``); a damaged one,
+    or ``never`` into a directory that holds a run, is a ``UserError``."""
     events = EventBuffer()
     checkpoints = checkpoint_manager(config, run_dir, on_event=events)
     checkpoint = checkpoints.resolve(resume)
@@ -148,39 +143,50 @@ def train_here(config: Config, run_dir: Path, resume: str = "auto", log=None) ->
             f"{run_dir} already holds a run; pass --resume auto to continue it, "
             "or choose another --output-dir"
         )
+    return Start(checkpoints, checkpoint, events)
+
+
+def stderr_log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def train_here(
+    config: Config,
+    run_dir: Path,
+    resume: str = "auto",
+    log=None,
+    build: Callable[..., Components] | None = None,
+) -> dict:
+    """The whole run in this process: choose the checkpoint, build the parts (``build``:
+    ``build_components``, or the Ray backend's, which swaps in its pools), train, close."""
+    log = log or stderr_log
+    start = prepare(config, run_dir, resume)
     configure_host(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
-    parts = build_components(config, log=log)
-    group = data_parallel.init(parts.device)  # torchrun with several ranks
+    parts = (build or build_components)(config, log)
     try:
-        result, ended_well = {}, True
-        if group is not None and data_parallel.world()[0] != 0:
-            ended_well = data_parallel.follow(parts, group)  # rank 0 logs and checkpoints
-        else:
-            with data_parallel.lead(group, parts) as leader:
-                result = _train(
-                    config, run_dir, parts, checkpoints, checkpoint, log, events, leader
-                )
-        data_parallel.leave(group, wait=ended_well)  # all ranks together, unless one failed
-        return result
+        return run_training(config, run_dir, parts, start, log)
     finally:
-        data_parallel.leave(group, wait=False)  # this rank failed; after a leave, nothing
-        parts.scorer.close()
-        close = getattr(parts.engine, "close", None)  # remote engines and Ray workers
-        if close is not None:
-            close()
+        close(parts)
 
 
-def _train(
+def close(parts: Components) -> None:
+    """Releases what the parts hold beyond this process (verifier pools, engines, workers)."""
+    parts.scorer.close()
+    parts.engine.close()
+
+
+def run_training(
     config: Config,
     run_dir: Path,
     parts: Components,
-    checkpoints: CheckpointManager,
-    checkpoint: Path | None,
+    prepared: Start,
     log: Callable[[str], None],
-    events: EventBuffer,
-    leader=None,
+    peers: Peers | None = None,
 ) -> dict:
+    """Resume, write the run directory, run the loop (with ``peers``: the other torchrun
+    ranks), write the summary; returns it."""
+    checkpoints, checkpoint, events = prepared.checkpoints, prepared.checkpoint, prepared.events
     start, changed = 0, []
     if checkpoint is not None:
         changed = config_changes(checkpoint, config)
@@ -225,7 +231,7 @@ def _train(
                 f"the run is already at step {start} of trainer.total_steps="
                 f"{config.trainer.total_steps}; raise it to train further"
             )
-        TrainLoop(config, parts, logger, checkpoints, data_parallel=leader).run(start)
+        TrainLoop(config, parts, logger, checkpoints, peers=peers).run(start)
     result = summary(run_dir)
     write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
     return result

@@ -2,7 +2,8 @@
 
     checkpoints/step_<N>/
         config.json, model.safetensors, tokenizer files   the policy, Hugging Face format
-        trainer_state.pt    optimizer, scheduler, torch RNG states
+        trainer_state.pt    each trainer engine's state (optimizer, schedule; the critic's
+                            and the MTP heads' weights) by role, torch RNG states
         state.json          step, data cursor, seed (human-readable)
         config.yaml         the run's resolved config when this checkpoint was written
         COMPLETE            written last by CheckpointManager: only then is it loadable
@@ -37,7 +38,8 @@ from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
 from honing.models.loading import is_lora, save_model
-from honing.pipeline.components import Components, engine_weights
+from honing.pipeline.components import Components
+from honing.pipeline.weight_sync import send_weights
 
 TRAINER_STATE = "trainer_state.pt"
 STATE_JSON = "state.json"
@@ -75,16 +77,16 @@ def save_training_state(
 
     def write(directory: Path) -> None:
         save_model(parts.policy, parts.tokenizer, directory)
-        state = {"scheduler": parts.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        trainers = {  # the policy's weights are the Hugging Face files above
+            engine.role: engine.state(
+                module=engine is not parts.trainers.policy,
+                optimizer=config.checkpoint.save_optimizer,
+            )
+            for engine in parts.trainers.all()
+        }
+        state = {"trainers": trainers, "rng": torch.get_rng_state()}
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        if config.checkpoint.save_optimizer:
-            state["optimizer"] = parts.optimizer.state_dict()
-        if parts.critic is not None:
-            state["critic"] = parts.critic.state_dict()
-            state["critic_optimizer"] = parts.critic_optimizer.state_dict()
-        if parts.mtp is not None:
-            state["mtp"] = (parts.mtp.state_dict(), parts.mtp_optimizer.state_dict())
         torch.save(state, directory / TRAINER_STATE)
         info = {
             "step": step,
@@ -103,22 +105,17 @@ def save_training_state(
         return None
 
 
-def trained_modules(parts: Components) -> dict[str, torch.nn.Module]:
-    """The modules a run trains, by role: the policy, and the critic and MTP heads when
-    present."""
-    modules = {"policy": parts.policy, "critic": parts.critic, "mtp": parts.mtp}
-    return {role: module for role, module in modules.items() if module is not None}
-
-
 def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
     """Names of the trained parameters holding a NaN or an infinity (``role:name``), and the
     number of parameters checked; one pass over the weights, a host sync per module."""
     bad, checked = [], 0
-    for role, module in trained_modules(parts).items():
-        named = list(module.named_parameters())
+    for engine in parts.trainers.all():
+        named = list(engine.module.named_parameters())
         checked += len(named)
         finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
-        bad += [f"{role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok]
+        bad += [
+            f"{engine.role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok
+        ]
     return bad, checked
 
 
@@ -213,29 +210,21 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"checkpoint {checkpoint} cannot be read ({err})") from None
     _load_weights(parts, checkpoint)
-    parts.scheduler.load_state_dict(state["scheduler"])
-    if "optimizer" in state:
-        parts.optimizer.load_state_dict(state["optimizer"])
-    if parts.mtp is not None and "mtp" in state:  # else the heads start afresh (and learn)
-        parts.mtp.load_state_dict(state["mtp"][0])
-        parts.mtp_optimizer.load_state_dict(state["mtp"][1])
-    if parts.critic is not None:
-        if "critic" not in state:
+    states = trainer_states(state)
+    for engine in parts.trainers.all():
+        if engine.role in states:
+            engine.load_state(states[engine.role])
+        elif engine.role == "critic":
             raise UserError(
                 f"checkpoint {checkpoint} has no critic; it was not trained with "
                 "algorithm.advantage=gae"
-            )
-        parts.critic.load_state_dict(state["critic"])
-        parts.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            )  # (MTP heads missing from it start afresh, and learn)
     bad, _ = non_finite_tensors(parts)  # written by hand or by an older honing
     if bad:
         raise UserError(
             f"checkpoint {checkpoint} holds weights that are not finite ({len(bad)} tensors, "
             f"first: {bad[0]}); resume from an earlier one (honing checkpoints RUN_DIR)"
         )
-    # The optimizer's own lr is the scheduler's last value (not restored by LambdaLR).
-    for group, lr in zip(parts.optimizer.param_groups, parts.scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
     torch.set_rng_state(state["rng"])
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -245,12 +234,18 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
     return int(info["step"])
 
 
-def send_weights(parts: Components, version: int) -> None:
-    """Makes the engines sample from the policy's current weights as ``version``: the
-    in-process validation engine shares the module (it records the version); a remote
-    training engine is sent the weights."""
-    parts.val_engine.load_weights(version)
-    if parts.engine.shares_policy:
-        parts.engine.load_weights(version)
-    else:
-        parts.engine.load_weights(version, engine_weights(parts.policy, parts.engine, parts.mtp))
+def trainer_states(state: dict) -> dict[str, dict]:
+    """The trainer engines' states by role from a ``trainer_state.pt``, also from one written
+    before the states were kept by role (``scheduler``, ``optimizer``, ``critic``,
+    ``critic_optimizer`` and ``mtp`` at the top)."""
+    if "trainers" in state:
+        return state["trainers"]
+    policy = {"scheduler": state["scheduler"]}
+    if "optimizer" in state:
+        policy["optimizer"] = state["optimizer"]
+    states = {"policy": policy}
+    if "critic" in state:
+        states["critic"] = {"module": state["critic"], "optimizer": state["critic_optimizer"]}
+    if "mtp" in state:
+        states["mtp"] = {"module": state["mtp"][0], "optimizer": state["mtp"][1]}
+    return states

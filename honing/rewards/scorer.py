@@ -1,6 +1,6 @@
 """Score rollouts with reward functions, under an explicit policy for failures.
 
-A failed score is never silently 0 (DESIGN.md): when a reward function raises, or returns
+A failed score is never silently 0 (docs/design.md): when a reward function raises, or returns
 something that is not a finite number, ``on_error`` decides what happens and the reason is
 kept in ``Score.details["error"]`` with ``ok=False``:
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
+from honing.seeds import task_seed
 from honing.types import Rollout
+
+# Weights as rollout engines receive them: (name, tensor) pieces, in bounded buckets from the
+# trainer, so that a large model is never copied whole to be sent.
+WeightPieces = Iterable[tuple[str, Any]]
+EngineReport = tuple[dict[str, float], list[tuple[str, dict]]]
 
 
 @dataclass(frozen=True)
@@ -41,27 +48,66 @@ class GenerationRequest:
 
 
 class RolloutEngine(Protocol):
-    """Samples completions and receives new policy weights.
+    """Samples completions and receives new policy weights; every engine of the pipeline
+    (in-process, torchrun-spread, Ray workers, remote servers) subclasses it, taking the
+    defaults it does not override.
 
     ``generate`` returns ``n`` rollouts per request, grouped by request, in request order.
-    ``load_weights`` makes the engine sample from policy ``version`` from now on; an engine
-    that shares the trainer's module in-process (``shares_policy``) only records the version,
-    any other needs ``state_dict`` (an engine in other processes holds the plain model: a
-    LoRA policy's adapters come merged, ``components.engine_weights``). ``detached_copy``
+    ``load_weights`` makes the engine sample from policy ``version`` from now on: an engine
+    that shares the trainer's module in this process (``shares_policy``) only records the
+    version; any other needs the weights, as pieces. ``in_process`` engines hold a copy of the
+    policy module itself (its own parameter names, a LoRA wrapper's included); the others hold
+    a plain model elsewhere (a LoRA policy's adapters reach them merged). ``detached_copy``
     gives an engine that can sample on another thread while the trainer's module changes
-    (itself, for remote engines).
+    (itself, for engines in other processes). ``take_report`` hands over the metrics and events
+    of the calls since the last take; ``regenerated`` counts samples generated again after a
+    worker or server failed; ``close`` releases connections and workers.
     """
 
-    shares_policy: bool
-    weight_version: int
-
-    def detached_copy(self) -> RolloutEngine: ...
+    shares_policy: bool = False
+    in_process: bool = False
+    weight_version: int = 0
+    regenerated: int = 0
 
     def generate(
         self, requests: list[GenerationRequest], params: SamplingParams
     ) -> list[Rollout]: ...
 
-    def load_weights(self, version: int, state_dict: dict | None = None) -> None: ...
+    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None: ...
+
+    def detached_copy(self) -> RolloutEngine:
+        return self
+
+    def take_report(self) -> EngineReport:
+        return {}, []
+
+    def close(self) -> None:
+        return None
+
+
+def weight_items(weights: WeightPieces | Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The (name, tensor) pieces of ``weights``: pieces as they come, or a mapping's items."""
+    if isinstance(weights, Mapping):
+        yield from weights.items()
+    else:
+        yield from weights
+
+
+BUCKET_BYTES = 256 << 20  # weights move between trainer and engines in pieces of at most this
+
+
+def buckets(pieces: WeightPieces, bucket_bytes: int = BUCKET_BYTES) -> Iterator[list]:
+    """``pieces`` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
+    bucket, size = [], 0
+    for name, tensor in pieces:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def chunked(
@@ -72,7 +118,7 @@ def chunked(
     return [
         (
             requests[start : start + size],
-            replace(params, seed=(params.seed * 1_000_003 + start) % (2**63)),
+            replace(params, seed=task_seed(params.seed, start)),
         )
         for start in range(0, len(requests), size)
     ]

@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from honing.rollout.fast_decode import unwrap
+from honing.rollout.sampling import sample_categorical
+
 MTP_PREFIX = "mtp_heads."  # the heads' keys among the weights sent to Ray rollout workers
 
 
@@ -65,13 +68,11 @@ class MtpHeads(nn.Module):
 
 
 def input_embedding(model: nn.Module) -> nn.Module:
-    from honing.rollout.fast_decode import unwrap
 
     return unwrap(model).get_input_embeddings()
 
 
 def output_head(model: nn.Module) -> nn.Module:
-    from honing.rollout.fast_decode import unwrap
 
     return unwrap(model).get_output_embeddings()
 
@@ -100,8 +101,6 @@ class MtpDraft:
         self.hidden = self.target.hidden[:, -1]  # the prompt's last position predicted t
 
     def propose(self, t, pos_t, k: int, dist, generator):
-        from honing.rollout.transformers_engine import sample_categorical
-
         if k > len(self.heads.blocks):
             raise ValueError(
                 f"rollout.spec_tokens={k} but there are {len(self.heads.blocks)} heads"

@@ -14,7 +14,7 @@ request are generated again elsewhere and counted (``regenerated``); when no end
 the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx answer (a bad
 request) is not retried: it raises at once with the server's message.
 
-Weights: ``load_weights(version, state_dict)`` sends the tensors as one safetensors body to
+Weights: ``load_weights(version, weights)`` sends the tensors as one safetensors body to
 ``POST /update_weights?version=V`` on every endpoint (honing's server); with
 ``weight_sync="disk"``, ``load_weights_from_disk`` posts ``{"model_path", "version"}`` to
 ``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
@@ -33,7 +33,14 @@ from pathlib import Path
 
 import httpx
 
-from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.base import (
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightPieces,
+    weight_items,
+)
+from honing.seeds import request_seed
 from honing.types import Rollout
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
@@ -56,7 +63,7 @@ class _Endpoint:
     version: int = 0  # the weight version it was last sent (or says it holds)
 
 
-class OpenAIEngine:
+class OpenAIEngine(RolloutEngine):
     """Samples completions from OpenAI-compatible completion servers (see the module).
 
     Args:
@@ -139,7 +146,7 @@ class OpenAIEngine:
             "temperature": 0.0 if params.greedy else params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
-            "seed": (params.seed * 1_000_003 + index) % (2**31),  # per prompt, reproducible
+            "seed": request_seed(params.seed, index),  # per prompt, reproducible
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
@@ -232,19 +239,16 @@ class OpenAIEngine:
 
     # -- weights --------------------------------------------------------------------------
 
-    def detached_copy(self) -> OpenAIEngine:
-        return self  # the servers hold their own copies of the weights already
-
-    def load_weights(self, version: int, state_dict: dict | None = None) -> None:
-        """Has every endpoint sample from ``state_dict`` from now on, per ``weight_sync``:
+    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
+        """Has every endpoint sample from ``weights`` from now on, per ``weight_sync``:
         ``tensors`` posts them as one safetensors body to ``/update_weights``; ``disk`` writes
         them (with ``model_dir``'s config and tokenizer files) to ``weight_dir/v<version>``
         and posts that path to ``/update_weights_from_disk``; ``none`` sends nothing.
 
         An endpoint that is down is set aside and sent the newest weights when it is back,
         before it serves a request; when no endpoint takes them, ``EngineUnavailable``."""
-        if state_dict is not None and self.weight_sync != "none":
-            tensors = _unshared(state_dict)
+        if weights is not None and self.weight_sync != "none":
+            tensors = _unshared(weight_items(weights))
             if self.weight_sync == "disk":
                 self._latest = (version, "disk", str(self._write_weights(version, tensors)))
             else:
@@ -422,11 +426,11 @@ def _token_id(token: str) -> int:
     )
 
 
-def _unshared(state_dict: dict) -> dict:
+def _unshared(pieces) -> dict:
     """The tensors on the CPU, one name per storage: tied weights (an embedding shared with the
     output head) are sent once; the server's own tie carries them to the other name."""
     tensors, seen = {}, set()
-    for name, tensor in state_dict.items():
+    for name, tensor in pieces:
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if key in seen:
             continue

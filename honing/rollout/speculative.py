@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from honing.rollout.fast_decode import FastDecoder
+from honing.rollout.fast_decode import FastDecoder, unwrap
+from honing.rollout.mtp import MtpDraft
+from honing.rollout.sampling import sample_categorical
 
 
 @dataclass
@@ -126,8 +128,6 @@ class ModelDraft:
         self.previous_kept = torch.zeros_like(ids[:, 0], dtype=torch.bool)
 
     def propose(self, t, pos_t, k: int, dist, generator):
-        from honing.rollout.transformers_engine import sample_categorical
-
         self.round_start = self.decoder.length
         block = torch.stack([self.previous, t], 1)
         positions = torch.stack([(pos_t - 1).clamp(min=0), pos_t], 1)
@@ -180,8 +180,6 @@ def speculative_decode(
 
     Returns tokens [B, N] and their logprobs [B, N] (``pad`` after a row's end), and the stats.
     """
-    from honing.rollout.transformers_engine import sample_categorical
-
     rows, device = ids.shape[0], ids.device
     most = int(budget.max())
     capacity = most * (k + 1) + 1
@@ -314,10 +312,7 @@ class Speculation:
         if self.kind == "ngram":
             return NgramDraft()
         if self.kind == "mtp":
-            from honing.rollout.mtp import MtpDraft
-
             return MtpDraft(self.draft_model, policy)
-        from honing.rollout.fast_decode import unwrap
 
         vocab = unwrap(policy).get_output_embeddings().weight.shape[0]
         return ModelDraft(self.draft_model, vocab)

@@ -19,85 +19,18 @@ import time
 
 import torch
 
-from honing.rollout.base import GenerationRequest, SamplingParams
+from honing.rollout.base import (
+    EngineReport,
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightPieces,
+    weight_items,
+)
 from honing.rollout.fast_decode import FastDecoder, supports
+from honing.rollout.sampling import filter_logits, sample_categorical
 from honing.rollout.speculative import SpecStats, Speculation, merge_metrics, speculative_decode
 from honing.types import Rollout
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / the top-p nucleus with -inf. ``logits``: [B, V]."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level CDF inversion
-
-
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of ``probs`` [B, V] (non-negative, any total) by inverting the CDF.
-
-    The categorical distribution up to rounding (block sums in float32, ~1e-7 of a block's
-    mass; running sums in float64), like ``torch.multinomial``,
-    but one uniform per row instead of its per-category work (on CPU, 64 rows of a 32k
-    vocabulary take ~1 ms here against ~65 ms). The CDF is inverted in two levels: the sums of
-    blocks of ``SAMPLE_BLOCK`` entries locate the block holding ``u * total``, then the
-    running sum inside that block locates the token; a float64 running sum over the whole
-    vocabulary would cost ten times more. A zero-probability token is never drawn: each level
-    takes the first entry whose running sum exceeds the target, which has positive mass, and
-    rounding at a block's end falls back to the block's last positive entry.
-    """
-    rows, vocab = probs.shape
-    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator)
-    if vocab <= SAMPLE_BLOCK:  # one block: the inner level alone (the same token for the same u)
-        target = u * probs.sum(-1, keepdim=True, dtype=torch.float64)
-        index = torch.searchsorted(probs.cumsum(-1, dtype=torch.float64), target, right=True)
-        return torch.minimum(index.squeeze(-1), _last_positive(probs))
-    size = _block_size(vocab)
-    blocks = -(-vocab // size)
-    if blocks * size != vocab:  # a copy of the whole [B, V]: only when no block size divides V
-        probs = torch.nn.functional.pad(probs, (0, blocks * size - vocab))
-    grid = probs.view(rows, blocks, size)
-    # Block sums in the input's precision (a float64 sum would first copy the whole [B, V]
-    # to float64: 3x the time); the running sums are float64.
-    mass = grid.sum(-1).double()  # [B, blocks]
-    cdf = mass.cumsum(-1)
-    target = u * cdf[:, -1:]  # [B, 1]
-    block = torch.minimum(
-        torch.searchsorted(cdf, target, right=True), _last_positive(mass)[:, None]
-    )  # [B, 1]
-    before = (cdf - mass).gather(-1, block)  # the mass of the blocks before
-    entries = grid.gather(1, block[:, :, None].expand(rows, 1, size)).squeeze(1)
-    inner = entries.cumsum(-1, dtype=torch.float64)  # [B, size]
-    offset = torch.minimum(
-        torch.searchsorted(inner, (target - before).clamp(min=0), right=True),
-        _last_positive(entries)[:, None],
-    )
-    return (block * size + offset).squeeze(-1)
-
-
-def _block_size(vocab: int) -> int:
-    """``SAMPLE_BLOCK``, or a smaller power of two (down to a quarter of it) that divides
-    ``vocab`` (Qwen2's 151,936 = 1,187 x 128), so that no padded copy is needed."""
-    for size in (SAMPLE_BLOCK, SAMPLE_BLOCK // 2, SAMPLE_BLOCK // 4):
-        if vocab % size == 0:
-            return size
-    return SAMPLE_BLOCK
-
-
-def _last_positive(values: torch.Tensor) -> torch.Tensor:
-    """Index of the last positive entry of each row of ``values`` [B, N] (0 when none is)."""
-    positive = values > 0
-    return values.shape[-1] - 1 - positive.flip(-1).to(torch.uint8).argmax(-1)
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -145,12 +78,14 @@ class _HFDecoder:
         return out.logits[:, -1, :]
 
 
-class TransformersEngine:
+class TransformersEngine(RolloutEngine):
     """Batched sampling from a Hugging Face causal LM held in this process.
 
     ``fast_decode`` (default on) uses ``FastDecoder`` when ``supports(model)``; otherwise, and
     when off, the model's own forward. ``fast_decode_reason`` says which and why.
     """
+
+    in_process = True
 
     def __init__(
         self,
@@ -208,9 +143,17 @@ class TransformersEngine:
         engine.shares_policy = False
         return engine
 
-    def load_weights(self, version: int, state_dict: dict | None = None) -> None:
-        if state_dict is not None:
-            self.model.load_state_dict(state_dict)
+    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
+        """Copies each piece into the tensor of its name, as it comes (no second copy of the
+        model); a name the model does not have is an error. Pieces not sent keep their
+        values (a tied weight comes once, under either name)."""
+        if weights is not None:
+            own = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in weight_items(weights):
+                    if name not in own:
+                        raise ValueError(f"weights do not fit the engine's model: {name!r}")
+                    own[name].copy_(tensor)
         self.weight_version = version
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
@@ -240,7 +183,7 @@ class TransformersEngine:
             self._add_report(({"rollout/gen_timeouts": float(cut)}, []))
         return rollouts
 
-    def take_report(self) -> tuple[dict[str, float], list[tuple[str, dict]]]:
+    def take_report(self) -> EngineReport:
         """Metrics and events of the generate calls since the last take (speculation)."""
         report, self._report = self._report, ({}, [])
         return report

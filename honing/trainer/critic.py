@@ -15,14 +15,8 @@ from torch import nn
 from honing.algorithms import masked_mean
 from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
-from honing.trainer.update import (
-    UpdateSettings,
-    mini_batches,
-    my_micro_batches,
-    place,
-    sum_gradients,
-    summed,
-)
+from honing.trainer.engine import TrainerEngine
+from honing.trainer.update import UpdateSettings, mini_batches
 
 
 class ValueModel(nn.Module):
@@ -52,8 +46,7 @@ class ValueModel(nn.Module):
 
 
 def update_critic(
-    critic: ValueModel,
-    optimizer,
+    engine: TrainerEngine,
     batch: TrainBatch,
     old_values: torch.Tensor,
     returns: torch.Tensor,
@@ -61,20 +54,19 @@ def update_critic(
     *,
     clip: float,
     generator: torch.Generator,
-    group=None,
 ) -> dict[str, float]:
-    """Fit the critic to ``returns`` ([B, R]) over the mini-batches ``settings`` and
-    ``generator`` draw, with the policy's micro-batch size and gradient clipping. Data
-    parallel (``group``) as ``update_policy``: each rank its share of the rows, gradients and
-    metric sums summed, the same optimizer step everywhere."""
-    rank, world = place(group)
+    """Fit the critic (``engine.module``, a ``ValueModel``) to ``returns`` ([B, R]) over the
+    mini-batches ``settings`` and ``generator`` draw, with the policy's micro-batch size and
+    gradient clipping; across processes as ``update_policy``: each its rows, gradients and
+    metric sums reduced, the same optimizer step everywhere."""
+    critic = engine.module
     critic.train()
     totals: dict[str, torch.Tensor] = {}
     steps = 0
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
-        optimizer.zero_grad(set_to_none=True)
-        for micro_index in my_micro_batches(index, rank, world, settings.micro_batch_size):
+        engine.zero_grad()
+        for micro_index in engine.rows(index, settings.micro_batch_size):
             micro = batch.select(micro_index)
             width = micro.responses.shape[1]
             values = critic(micro)  # [b, R]
@@ -92,14 +84,9 @@ def update_critic(
             totals["critic/vf_clipfrac"] = (
                 totals.get("critic/vf_clipfrac", 0) + metrics["critic/vf_clipfrac"] * share
             )
-        if world > 1:
-            sum_gradients(critic, group)
-        if settings.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), settings.grad_clip)
-        optimizer.step()
+        engine.step(settings.grad_clip)
         steps += 1
-    if world > 1:
-        totals = summed(totals, group)
+    totals = engine.reduce(totals)
     mask = batch.response_mask
     return {
         **{k: float(v) / steps for k, v in totals.items()},

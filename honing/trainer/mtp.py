@@ -15,19 +15,21 @@ import torch.nn.functional as F
 from honing.rollout.fast_decode import unwrap
 from honing.rollout.mtp import MtpHeads, head_logits
 from honing.trainer.batch import TrainBatch
+from honing.trainer.engine import TrainerEngine
 
 MTP_TOKENS = 1024  # chain starts per step (a random subset of the response positions beyond)
 
 
 def train_mtp(
-    heads: MtpHeads,
-    optimizer: torch.optim.Optimizer,
+    engine: TrainerEngine,
     policy,
     batch: TrainBatch,
     generator: torch.Generator,
 ) -> dict[str, float]:
-    """One optimizer step of the heads on ``batch``; returns ``mtp/loss`` (mean over heads
-    and positions), ``mtp/accuracy`` (head 1's top-1 accuracy) and ``timing_s/mtp``."""
+    """One optimizer step of the heads (``engine.module``, ``MtpHeads``) on ``batch``; returns
+    ``mtp/loss`` (mean over heads and positions), ``mtp/accuracy`` (head 1's top-1 accuracy)
+    and ``timing_s/mtp``."""
+    heads: MtpHeads = engine.module
     started = time.perf_counter()
     with torch.no_grad():
         hidden = (
@@ -70,9 +72,9 @@ def train_mtp(
         if j == 0:
             accuracy = float((logits.argmax(-1) == targets).float()[valid].mean())
     loss = torch.stack(losses).sum() / torch.stack(weights).sum()
-    optimizer.zero_grad(set_to_none=True)
+    engine.zero_grad()
     loss.backward()
-    optimizer.step()
+    engine.step(grad_clip=0.0)
     return {
         "mtp/loss": float(loss.detach()),
         "mtp/accuracy": accuracy,

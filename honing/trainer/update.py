@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from honing.trainer.batch import TrainBatch, response_logprobs
+from honing.trainer.engine import TrainerEngine
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,7 @@ def _rows(index: torch.Tensor, width: int):
 
 
 def update_policy(
-    model,
-    optimizer,
+    engine: TrainerEngine,
     batch: TrainBatch,
     advantages: torch.Tensor,
     settings: UpdateSettings,
@@ -136,9 +135,9 @@ def update_policy(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    group=None,
 ) -> dict[str, float]:
-    """Run the PPO epochs on ``batch``; returns the step's actor metrics as floats.
+    """Run the PPO epochs on ``batch`` with the policy's trainer ``engine``; returns the step's
+    actor metrics as floats.
 
     An optimizer step whose gradient norm is not finite is skipped (counted in
     ``actor/skipped_updates``) rather than let NaN into the weights.
@@ -146,14 +145,13 @@ def update_policy(
     ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are [B, R] aligned with
     ``batch.responses``. ``old_logprobs`` may be None only for one optimizer step per batch.
 
-    Data parallel (``group``, a torch.distributed process group of W ranks, each called with
-    the same batch, model and optimizer state): rank r runs rows r, r + W, ... of each
-    mini-batch; losses are normalised by the whole mini-batch's counts as always, so summing
-    the ranks' gradients (one all-reduce per optimizer step) gives the single-process
-    gradient, and every rank takes the same optimizer step. Metrics are summed likewise.
+    Across processes (``engine``'s layout: torchrun ranks, each called with the same batch and
+    the same weights and optimizer state) each process runs its rows of each mini-batch;
+    losses are normalised by the whole mini-batch's counts as always, so the reduced
+    gradients give the single-process step on every process. Metrics are reduced likewise.
     """
     generator = generator or torch.Generator().manual_seed(0)
-    rank, world = place(group)
+    model = engine.module
     if not model.training:  # a module walk: only when generation left it in eval mode
         model.train()
     totals: dict[str, torch.Tensor] = {}
@@ -163,8 +161,8 @@ def update_policy(
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
-        optimizer.zero_grad(set_to_none=True)
-        for micro_index in my_micro_batches(index, rank, world, settings.micro_batch_size):
+        engine.zero_grad()
+        for micro_index in engine.rows(index, settings.micro_batch_size):
             micro = batch.select(micro_index)
             rows = _rows(micro_index, micro.responses.shape[1])
             contrib = micro_step(
@@ -178,59 +176,14 @@ def update_policy(
             )
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
-        if world > 1:
-            sum_gradients(model, group)
-        if settings.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in model.parameters() if p.grad is not None]
-            )
+        norm, stepped = engine.step(settings.grad_clip)
         optimizer_steps += 1
-        if not torch.isfinite(norm):  # one host sync per optimizer step, not per micro-batch
-            # A NaN/inf gradient would poison every weight through Adam: skip this update.
-            optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            grad_norms.append(norm)
+        else:
             skipped += 1
-            continue
-        grad_norms.append(norm)
-        optimizer.step()
-    if world > 1:
-        totals = summed(totals, group)
+    totals = engine.reduce(totals)
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     return metrics
-
-
-def place(group) -> tuple[int, int]:
-    """(rank, world size) in the data-parallel ``group``; (0, 1) without one."""
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-
-
-def my_micro_batches(index: torch.Tensor, rank: int, world: int, size: int):
-    """This rank's rows of the mini-batch ``index`` (rows rank, rank + W, ...), in
-    micro-batches of ``size``."""
-    if len(index) < world:
-        raise ValueError(
-            f"a mini-batch of {len(index)} sequences cannot be shared by {world} "
-            "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
-        )
-    return torch.split(index[rank::world], size)
-
-
-def sum_gradients(model, group) -> None:
-    """All-reduce (sum) every parameter's gradient across ``group``, as one flat buffer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-        param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
-
-
-def summed(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
-    """The metric sums of every rank (each rank has the same names)."""
-    names = sorted(totals)
-    values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
-    dist.all_reduce(values, group=group)
-    return dict(zip(names, values, strict=True))

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
+from honing.backends.launch import train
 from honing.checkpoint import verify
 from honing.errors import UserError
-from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
+from honing.backends.launch import train
 from honing.checkpoint import verify
 from honing.config import CheckpointConfig
-from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
 needs_mirror_config = pytest.mark.skipif(

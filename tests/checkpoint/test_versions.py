@@ -5,9 +5,9 @@ import json
 import torch
 from safetensors.torch import load_file
 
+from honing.backends.launch import train
 from honing.checkpoint import CheckpointManager
 from honing.checkpoint.versions import format_checkpoints, list_checkpoints
-from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from honing.backends.launch import train
 from honing.errors import UserError
 from honing.monitor.plots import MAX_POINTS, downsample, format_number, nice_ticks
 from honing.monitor.report import REPORT_FILE, report_main, write_report
 from honing.monitor.report_charts import RunData, stage_times
-from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
 CHART_TITLES = [

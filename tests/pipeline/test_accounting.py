@@ -1,8 +1,7 @@
-"""Every generated sample is accounted for when scoring fails: trained, or failed with a reason."""
+"""A failed score under ``reward.on_error=fail`` ends the run with one line naming the function
+and its error (the counts under ``zero`` and ``drop``: ``test_loop_logic``)."""
 
 import json
-
-import pytest
 
 from honing.cli import main
 
@@ -41,23 +40,6 @@ def run(tmp_path, micro_model_dir, policy):
     )
     path = out / "metrics.jsonl"
     return status, [json.loads(line) for line in path.open()] if path.exists() else []
-
-
-@pytest.mark.parametrize("policy", ["drop", "zero"])
-def test_generated_equals_trained_plus_failed(tmp_path, micro_model_dir, policy):
-    status, metrics = run(tmp_path, micro_model_dir, policy)
-    assert status == 0
-    steps = [m for m in metrics if "samples/generated" in m]
-    assert len(steps) == 3
-    for m in steps:
-        assert m["samples/generated"] == 16
-        assert m["samples/generated"] == m["samples/trained"] + m["samples/failed"]
-    errors = sum(m["samples/score_errors"] for m in steps)
-    assert errors > 0  # the flaky function did fail, so the counts above are not trivial
-    if policy == "drop":
-        assert sum(m["samples/failed"] for m in steps) == errors
-    else:
-        assert all(m["samples/failed"] == 0 for m in steps)
 
 
 def test_error_policy_stops_with_one_line(tmp_path, micro_model_dir, capsys):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from honing.backends.launch import train
 from honing.cli import main
 from honing.errors import RunStopped
-from honing.pipeline.run import train
 from tests.pipeline._configs import small_run_config
 
 # warmup 10 steps to lr 1e-3: actor/lr is 1e-4 * step, so "actor/lr > 2.5e-4" fires at step 3

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from honing.pipeline.run import train
+from honing.backends.launch import train
 
 from ._configs import small_run_config
 
@@ -64,8 +64,9 @@ def test_resume_restores_the_critic_exactly(tmp_path, micro_model_dir, digit_rew
         run: torch.load(tmp_path / run / "checkpoints" / "step_4" / "trainer_state.pt")
         for run in ("a", "b")
     }
-    for name, tensor in state["a"]["critic"].items():
-        assert torch.equal(tensor, state["b"]["critic"][name]), name
+    critic = {run: state[run]["trainers"]["critic"]["module"] for run in state}
+    for name, tensor in critic["a"].items():
+        assert torch.equal(tensor, critic["b"][name]), name
     assert [m["critic/vf_loss"] for m in metrics(tmp_path / "a")] == [
         m["critic/vf_loss"] for m in metrics(tmp_path / "b")
     ]
@@ -76,7 +77,7 @@ def test_critic_from_a_separate_model_path(tmp_path, micro_model_dir, digit_rewa
     from honing.pipeline.components import build_components
 
     cfg = config(micro_model_dir, digit_reward, **{"model.critic_path": str(micro_model_dir)})
-    assert build_components(cfg, log=NO_LOG).critic is not None
+    assert build_components(cfg, log=NO_LOG).trainers.critic is not None
     missing = config(micro_model_dir, digit_reward, **{"model.critic_path": str(tmp_path)})
     try:
         build_components(missing, log=NO_LOG)

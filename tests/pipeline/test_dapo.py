@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from honing.backends.launch import train
 from honing.config import build_config
 from honing.errors import ConfigError
-from honing.pipeline.components import build_components
-from honing.pipeline.run import train
+from honing.pipeline.rules import check_config
 
 from ._configs import small_run_config
 
@@ -110,7 +110,7 @@ def test_dual_clip_runs_and_is_validated(tmp_path, micro_model_dir, rewards):
     assert len(steps) == 3
     bad = build_config({"model.path": str(micro_model_dir), "algorithm.clip_ratio_c": 0.5})
     with pytest.raises(ConfigError, match="must be > 1"):
-        build_components(bad, log=NO_LOG)
+        check_config(bad)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from honing.pipeline import data_parallel
+from honing.backends import torchrun
 
 from ._configs import BASE
 
@@ -51,7 +51,8 @@ def train(tmp_path, name, model_dir, reward, ranks: int, steps: int, resume="nev
     checkpoint = tmp_path / name / "checkpoints" / f"step_{steps}"
     weights = load_file(checkpoint / "model.safetensors")
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-    return metrics, weights | {f"critic.{k}": v for k, v in state.get("critic", {}).items()}
+    critic = state["trainers"].get("critic", {}).get("module", {})
+    return metrics, weights | {f"critic.{k}": v for k, v in critic.items()}
 
 
 COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss")
@@ -62,22 +63,46 @@ PPO = {  # two shuffled mini-batches a step: each rank must draw the same ones
 }
 
 
+def initial_weights(model_dir) -> dict[str, torch.Tensor]:
+    """What every run starts from: the model's weights, and a critic on a copy of them with
+    its head at zero (the names ``train`` gives them)."""
+    policy = load_file(model_dir / "model.safetensors")
+    critic = {f"critic.backbone.{k}": v for k, v in policy.items()}
+    critic["critic.backbone.lm_head.weight"] = policy["model.embed_tokens.weight"]  # tied
+    return policy | critic
+
+
+def assert_same_moves(got: dict, want: dict, before: dict, rel: float = 1e-3) -> None:
+    """Each tensor moved from ``before`` to the same place, within ``rel`` of how far it
+    moved. Gradients summed over other ranks (or computed in other processes, on other CPUs)
+    differ in the last bits, and Adam divides each element's step by its own gradient scale,
+    so an element with a near-zero gradient can end ~1e-5 apart after a few steps (seen:
+    1.8e-5, on tensors that moved ~0.4 in norm); another batch, another seed or a missed
+    step moves every tensor differently by the order of its whole move."""
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        start = before.get(name, torch.zeros_like(tensor))  # the critic's head starts at 0
+        moved = (tensor - start).norm()
+        apart = (got[name] - tensor).norm()
+        assert apart <= rel * moved + 1e-6, f"{name}: {apart:.3g} apart, moved {moved:.3g}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "ranks, steps, overrides, atol",
+    "ranks, steps, overrides",
     [
         # rank 0 samples every step's batch, as one process does. PPO: step 1 fits the
         # critic alone, step 2 both; step 2's advantages come from critics that differ by
-        # float rounding, which Adam's normalisation turns into ~3e-5 on a weight.
-        ((1, 2), 2, PPO | {"pipeline.spread_generation": False}, 1e-4),
+        # float rounding.
+        ((1, 2), 2, PPO | {"pipeline.spread_generation": False}),
         # every rank samples its share of tasks, seeded by position: the same samples for
         # any number of ranks, so 2 and 3 ranks train the same steps.
-        ((2, 3), 2, {"pipeline.rollout_chunk": 1}, 1e-5),
+        ((2, 3), 2, {"pipeline.rollout_chunk": 1}),
     ],
     ids=["ppo-critic", "spread-generation"],
 )
 def test_ranks_train_the_steps_fewer_ranks_do(
-    tmp_path, micro_model_dir, digit_reward, ranks, steps, overrides, atol
+    tmp_path, micro_model_dir, digit_reward, ranks, steps, overrides
 ):
     args = (micro_model_dir, digit_reward)
     fewer, more = ranks
@@ -99,9 +124,7 @@ def test_ranks_train_the_steps_fewer_ranks_do(
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert ("critic/vf_loss" in one[0]) == ("algorithm.advantage" in overrides)
-    assert one_weights.keys() == two_weights.keys()
-    for name, want in one_weights.items():
-        torch.testing.assert_close(two_weights[name], want, atol=atol, rtol=10 * atol)
+    assert_same_moves(two_weights, one_weights, initial_weights(micro_model_dir))
 
 
 @pytest.mark.slow
@@ -118,8 +141,7 @@ def test_two_ranks_resume_as_they_would_have_continued(tmp_path, micro_model_dir
     assert resumed[1]["critic/score/mean"] == whole[1]["critic/score/mean"]
     for key in COMPARED[:-1]:
         assert resumed[1][key] == pytest.approx(whole[1][key], rel=1e-5, abs=1e-7), key
-    for name, want in whole_weights.items():
-        torch.testing.assert_close(weights[name], want, atol=1e-6, rtol=1e-5)
+    assert_same_moves(weights, whole_weights, initial_weights(micro_model_dir))
 
 
 def test_when_rank_0_fails_every_rank_exits_without_waiting(tmp_path, micro_model_dir):
@@ -153,40 +175,40 @@ def one_rank_group():
 def joined(monkeypatch):
     """The group ``init`` joins under torchrun; one rank here (env:// would wait for two)."""
     make = dist.init_process_group
-    monkeypatch.setattr(data_parallel, "world", lambda: (0, 2))
+    monkeypatch.setattr(torchrun, "world", lambda: (0, 2))
     monkeypatch.setattr(
         dist,
         "init_process_group",
         lambda backend, **kwargs: make("gloo", store=dist.HashStore(), rank=0, world_size=1),
     )
-    yield data_parallel.init(torch.device("cpu"))
+    yield torchrun.init(torch.device("cpu"))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def test_a_rank_leaves_the_group_it_joined_once(joined):
-    data_parallel.leave(joined, wait=True)
+    torchrun.leave(joined, wait=True)
     assert not dist.is_initialized()
-    data_parallel.leave(joined, wait=False)  # the finally after a clean leave
-    data_parallel.leave(None, wait=True)  # one process: nothing to leave
+    torchrun.leave(joined, wait=False)  # the finally after a clean leave
+    torchrun.leave(None, wait=True)  # one process: nothing to leave
 
 
 def test_a_group_the_caller_made_is_left_to_it(one_rank_group):
-    data_parallel.leave(one_rank_group, wait=True)
+    torchrun.leave(one_rank_group, wait=True)
     assert dist.is_initialized()
 
 
 def test_the_others_are_told_how_the_run_ended(joined, monkeypatch):
     stops = []
-    monkeypatch.setattr(data_parallel.Leader, "stop", lambda self, failed: stops.append(failed))
+    monkeypatch.setattr(torchrun.Leader, "stop", lambda self, failed: stops.append(failed))
     parts = type("Parts", (), {"critic": None})()
-    with data_parallel.lead(joined, parts) as leader:
+    with torchrun.lead(joined, parts, None) as leader:
         assert leader.parts is parts
-    with pytest.raises(Sent), data_parallel.lead(joined, parts):
+    with pytest.raises(Sent), torchrun.lead(joined, parts, None):
         raise Sent
-    with pytest.raises(Sent), data_parallel.lead(joined, parts) as leader:
+    with pytest.raises(Sent), torchrun.lead(joined, parts, None) as leader:
         leader.busy = True  # failed inside shared work: the others wait in its collectives
         raise Sent
     assert stops == [False, True]
-    with data_parallel.lead(None, parts) as leader:  # one process: no leader
+    with torchrun.lead(None, parts, None) as leader:  # one process: no leader
         assert leader is None

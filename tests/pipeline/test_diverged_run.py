@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
+from honing.backends.launch import train
 from honing.checkpoint import CheckpointManager
 from honing.checkpoint.versions import format_checkpoints, list_checkpoints
 from honing.errors import UserError
 from honing.pipeline.components import build_components
-from honing.pipeline.run import train
 from honing.pipeline.state import load_training_state, non_finite_tensors, save_training_state
 
 from ._configs import small_run_config

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from honing.pipeline.run import train
+from honing.backends.launch import train
 
 from ._configs import small_run_config
 

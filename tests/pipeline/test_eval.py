@@ -6,8 +6,8 @@ import json
 import pytest
 
 from honing import cli
+from honing.backends.launch import train
 from honing.pipeline.evaluate import evaluate_model
-from honing.pipeline.run import train
 
 from ._configs import small_run_config
 

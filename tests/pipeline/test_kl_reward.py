@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
+from honing.backends.launch import train
 from honing.config import build_config
 from honing.errors import ConfigError
-from honing.pipeline.components import build_components
 from honing.pipeline.experience import token_level_rewards
-from honing.pipeline.run import train
+from honing.pipeline.rules import check_config
 
 from ._configs import small_run_config
 
@@ -63,7 +63,7 @@ def test_adaptive_coefficient_moves_and_resumes(tmp_path, micro_model_dir, digit
 def test_kl_in_reward_needs_a_coefficient(micro_model_dir):
     config = build_config({"model.path": str(micro_model_dir), "algorithm.kl_in_reward": True})
     with pytest.raises(ConfigError, match="kl_coef > 0"):
-        build_components(config, log=NO_LOG)
+        check_config(config)
 
 
 def test_discount_reaches_reinforce_plus_plus(tmp_path, micro_model_dir, digit_reward):

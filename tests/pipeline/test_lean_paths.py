@@ -3,8 +3,8 @@ fast paths for a non-Llama model), the run trains as it would otherwise and says
 
 import json
 
+from honing.backends.launch import train
 from honing.pipeline.components import build_components
-from honing.pipeline.run import train
 
 from ._configs import small_run_config
 

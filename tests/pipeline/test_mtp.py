@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from honing.pipeline.run import train
+from honing.backends.launch import train
 
 from ._configs import small_run_config
 
@@ -35,7 +35,7 @@ def test_mtp_heads_learn_online_and_are_checkpointed(tmp_path, micro_model_dir, 
     state = torch.load(
         tmp_path / "run" / "checkpoints" / "step_12" / "trainer_state.pt", weights_only=True
     )
-    heads, optimizer = state["mtp"]
+    heads, optimizer = (state["trainers"]["mtp"][key] for key in ("module", "optimizer"))
     assert {key.split(".")[1] for key in heads} == {"0", "1"}
     assert optimizer["state"]
 
@@ -46,6 +46,7 @@ def test_the_heads_learn_what_follows_two_and_three_tokens_ahead(micro_model_dir
     from honing.models.loading import load_causal_lm, load_tokenizer
     from honing.rollout.mtp import MtpHeads
     from honing.trainer.batch import collate
+    from honing.trainer.engine import TrainedModule
     from honing.trainer.mtp import train_mtp
     from honing.types import Rollout
 
@@ -63,6 +64,7 @@ def test_the_heads_learn_what_follows_two_and_three_tokens_ahead(micro_model_dir
     heads = MtpHeads(policy.config.hidden_size, 2)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=3e-2)
     generator = torch.Generator().manual_seed(0)
-    history = [train_mtp(heads, optimizer, policy, batch, generator) for _ in range(60)]
+    engine = TrainedModule("mtp", heads, optimizer)
+    history = [train_mtp(engine, policy, batch, generator) for _ in range(60)]
     assert history[-1]["mtp/loss"] < 0.3 * history[0]["mtp/loss"]
     assert history[-1]["mtp/accuracy"] > 0.9 > history[0]["mtp/accuracy"]

@@ -6,9 +6,9 @@ import json
 
 import torch
 
+from honing.backends.launch import train
 from honing.pipeline.components import build_components
 from honing.pipeline.offload import Offloader
-from honing.pipeline.run import train
 
 from ._configs import small_run_config
 
@@ -40,8 +40,10 @@ def test_state_moves_out_above_the_threshold_and_back_before_the_update(
     parts = build_components(config, log=lambda m: None)
     for param in parts.policy.parameters():  # optimizer state to move
         param.grad = torch.ones_like(param)
-    parts.optimizer.step()
-    before = {k: v.clone() for k, v in parts.optimizer.state_dict()["state"][0].items()}
+    parts.trainers.policy.optimizer.step()
+    before = {
+        k: v.clone() for k, v in parts.trainers.policy.optimizer.state_dict()["state"][0].items()
+    }
     usage = {"now": 0.5}
     seen = []
     offload = Offloader(
@@ -59,7 +61,7 @@ def test_state_moves_out_above_the_threshold_and_back_before_the_update(
     assert offload.before_generation() == {}  # already out
     back = offload.before_update()
     assert back["timing_s/reload"] >= 0 and not offload.moved
-    after = parts.optimizer.state_dict()["state"][0]
+    after = parts.trainers.policy.optimizer.state_dict()["state"][0]
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert seen == []
     async_run = Offloader(config.memory, "async", parts, lambda kind, **f: seen.append(f))

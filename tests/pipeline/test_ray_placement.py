@@ -8,7 +8,7 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from honing.pipeline import ray_backend  # noqa: E402
+from honing.backends import ray_pools, ray_workers  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402
 
@@ -22,7 +22,7 @@ def two_nodes():
         initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
     )
     cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, namespace=ray_backend.NAMESPACE, log_to_driver=False)
+    ray.init(address=cluster.address, namespace=ray_pools.NAMESPACE, log_to_driver=False)
     cluster.wait_for_nodes()
     yield cluster
     ray.shutdown()
@@ -33,9 +33,9 @@ def two_nodes():
 
 def test_spread_places_rollout_workers_on_different_nodes(two_nodes, micro_model_dir, digit_reward):
     config = small_run_config(micro_model_dir, digit_reward, **{"pipeline.placement": "spread"})
-    control = ray_backend.Control.remote(2, 0)
-    engine = ray_backend.RayRolloutEngine(
-        config, micro_model_dir, control, "spread", ray_backend.Report()
+    control = ray_pools.Control.remote(2, 0)
+    engine = ray_workers.RayRolloutEngine(
+        config, micro_model_dir, control, "spread", ray_pools.Report()
     )
     try:
         nodes = ray.get([worker.handle.node.remote() for worker in engine.workers])

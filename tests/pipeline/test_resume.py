@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from honing.backends.launch import train
 from honing.config import build_config, load_yaml
-from honing.pipeline.run import train
 
 NO_LOG = lambda message: None  # noqa: E731 - keeps the test output quiet
 

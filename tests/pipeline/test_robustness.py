@@ -6,12 +6,14 @@ import shutil
 import pytest
 import torch
 
+from honing.backends.launch import train
 from honing.checkpoint import CheckpointManager
 from honing.checkpoint.manifest import write_manifest
 from honing.cli import main
 from honing.errors import ConfigError, DataError, UserError
 from honing.pipeline.components import build_components
-from honing.pipeline.run import train
+from honing.pipeline.rules import check_config
+from honing.trainer.engine import TrainedModule
 from honing.trainer.update import UpdateSettings, update_policy
 
 from ._configs import small_run_config
@@ -70,7 +72,7 @@ def test_train_files_without_val_files_is_a_config_error(tmp_path, micro_model_d
     write_rows(tmp_path / "t.jsonl", [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
     config = small(micro_model_dir, "numeric", **{"data.train_files": [str(tmp_path / "t.jsonl")]})
     with pytest.raises(ConfigError, match="data.val_files is empty"):
-        build_components(config, log=NO_LOG)
+        check_config(config)
 
 
 def test_non_numeric_ground_truth_is_found_at_load(tmp_path, micro_model_dir):
@@ -93,7 +95,7 @@ def test_non_numeric_ground_truth_is_found_at_load(tmp_path, micro_model_dir):
 
 def test_grpo_needs_groups(micro_model_dir):
     with pytest.raises(ConfigError, match="group_size"):
-        build_components(small(micro_model_dir, "numeric", **{"rollout.group_size": 1}))
+        check_config(small(micro_model_dir, "numeric", **{"rollout.group_size": 1}))
 
 
 def test_model_dir_without_tokenizer_is_one_line(tmp_path, micro_model_dir, capsys):
@@ -206,7 +208,8 @@ def test_non_finite_gradient_skips_the_update(micro_model_dir):
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     advantages = torch.full((2, 2), float("nan"))
-    metrics = update_policy(model, optimizer, batch, advantages, UpdateSettings())
+    engine = TrainedModule("policy", model, optimizer)
+    metrics = update_policy(engine, batch, advantages, UpdateSettings())
     assert metrics["actor/skipped_updates"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 

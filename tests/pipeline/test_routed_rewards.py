@@ -3,7 +3,7 @@ row to its verifier in process (math worker pool, code sandbox) and the run comp
 
 import json
 
-from honing.pipeline.run import train
+from honing.backends.launch import train
 from tests.pipeline._configs import small_run_config
 
 ROWS = [

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from honing.backends.launch import train
 from honing.errors import ConfigError
-from honing.pipeline.run import train
 
 from ._configs import small_run_config
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from honing.backends.launch import train
 from honing.config import build_config
-from honing.pipeline.run import train
 from honing.pipeline.supervise import exit_status, fixed_output_dir, is_crash, supervise
 
 from ._configs import BASE

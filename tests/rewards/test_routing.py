@@ -4,7 +4,7 @@ import pytest
 
 from honing.config import build_config
 from honing.errors import ConfigError, DataError, RewardError
-from honing.pipeline.components import build_scorer, check_ground_truths
+from honing.pipeline.inputs import build_scorer, check_ground_truths
 from honing.rewards.routing import DEFAULT_ROUTES, RewardRouter, VerifierSettings, build_router
 from honing.types import Prompt, Rollout
 

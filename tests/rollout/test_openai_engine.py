@@ -158,7 +158,7 @@ def test_training_samples_from_the_servers_and_sends_them_each_version(
 ):
     import json
 
-    from honing.pipeline.run import train
+    from honing.backends.launch import train
 
     cfg = run_config(micro_model_dir, digit_reward, **on_servers(servers, mode))
     train(cfg, tmp_path / "run", log=lambda message: None)
@@ -187,7 +187,7 @@ def test_killing_one_of_two_engines_mid_run_loses_no_sample(
     holds at every step. The victim dies on its 7th completion request (mid-step 3 or 4)."""
     import json
 
-    from honing.pipeline.run import train
+    from honing.backends.launch import train
 
     victim, victim_url = start_service(
         "rollout", "--model", str(micro_model_dir), "--exit-after", "7"
@@ -265,7 +265,7 @@ def test_a_lora_run_sends_the_servers_its_policy_merged(
     """The servers hold the plain model: they get the adapters merged into the base weights,
     and sample with the logprobs of the checkpointed adapters of the version they hold."""
     peft = pytest.importorskip("peft")
-    from honing.pipeline.run import train
+    from honing.backends.launch import train
 
     lora = {"model.lora_rank": 4, "trainer.lr": 5e-2, "checkpoint.every": 1, "checkpoint.keep": 3}
     cfg = run_config(micro_model_dir, digit_reward, **on_servers(servers, mode) | lora)

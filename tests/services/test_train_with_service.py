@@ -2,7 +2,7 @@
 
 import json
 
-from honing.pipeline.run import train
+from honing.backends.launch import train
 from honing.services.verifier import verifier_app
 from tests.pipeline._configs import small_run_config
 

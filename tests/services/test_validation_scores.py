@@ -6,9 +6,9 @@ import json
 
 from fastapi.responses import JSONResponse
 
+from honing.backends.launch import train
 from honing.cli import main
 from honing.pipeline import evaluate
-from honing.pipeline.run import train
 from honing.services.verifier import verifier_app
 from tests.pipeline._configs import small_run_config
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
+from honing.backends.launch import train
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.pipeline.run import train
 from honing.trainer import batch as batch_module
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.update import autocast

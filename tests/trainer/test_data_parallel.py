@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer.batch import collate
+from honing.trainer.engine import OneProcess, Replicated, TrainedModule
 from honing.trainer.update import UpdateSettings, update_policy
 
 from .test_update import PAD, make_rollouts
@@ -41,16 +42,15 @@ def _setup(model_dir: str):
 def _run(model_dir: str, settings: UpdateSettings, group=None):
     model, batch, advantages, old, ref = _setup(model_dir)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the change is the gradient
+    layout = Replicated(group) if group is not None else OneProcess()
     metrics = update_policy(
-        model,
-        optimizer,
+        TrainedModule("policy", model, optimizer, layout=layout),
         batch,
         advantages,
         settings,
         old_logprobs=old,
         ref_logprobs=ref,
         generator=torch.Generator().manual_seed(5),
-        group=group,
     )
     return model, metrics
 
@@ -103,7 +103,6 @@ def test_a_mini_batch_smaller_than_the_ranks_is_refused(micro_model_dir, monkeyp
     settings = UpdateSettings(mini_batch_sequences=1)
     model, batch, advantages, old, _ = _setup(str(micro_model_dir))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = TrainedModule("policy", model, optimizer, layout=Replicated(object()))
     with pytest.raises(ValueError, match="cannot be shared by 2 data-parallel ranks"):
-        update_policy(
-            model, optimizer, batch, advantages, settings, old_logprobs=old, group=object()
-        )
+        update_policy(engine, batch, advantages, settings, old_logprobs=old)

@@ -15,6 +15,7 @@ import torch
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer.batch import collate, response_logprobs
+from honing.trainer.engine import TrainedModule
 from honing.trainer.update import UpdateSettings, mini_batches, update_policy
 from honing.types import Rollout
 
@@ -90,8 +91,7 @@ def sgd_step(model, experience, settings) -> tuple[dict, dict[str, float]]:
     policy = copy.deepcopy(model)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     metrics = update_policy(
-        policy,
-        optimizer,
+        TrainedModule("policy", policy, optimizer),
         batch,
         advantages,
         settings,
@@ -156,7 +156,9 @@ def test_on_policy_loss_is_minus_the_mean_advantage(model, experience):
     policy = copy.deepcopy(model)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     # old_logprobs=None: the ratio is exactly 1, so each token's loss is -A = -0.5.
-    metrics = update_policy(policy, optimizer, batch, advantages, UpdateSettings())
+    metrics = update_policy(
+        TrainedModule("policy", policy, optimizer), batch, advantages, UpdateSettings()
+    )
     assert metrics["actor/pg_loss"] == pytest.approx(-0.5, abs=1e-6)
     assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/ppo_kl"] == 0.0
@@ -169,7 +171,11 @@ def test_grad_clip_bounds_the_step(model, experience):
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     settings = UpdateSettings(grad_clip=1e-3)
     metrics = update_policy(
-        policy, optimizer, batch, advantages, settings, old_logprobs=old_logprobs
+        TrainedModule("policy", policy, optimizer),
+        batch,
+        advantages,
+        settings,
+        old_logprobs=old_logprobs,
     )
     assert metrics["actor/grad_norm"] > 1e-3  # the norm before clipping is reported
     # With lr = 1 the parameter change is the clipped gradient: its norm is the clip value.
@@ -217,7 +223,11 @@ def test_two_epochs_of_two_mini_batches_take_four_optimizer_steps(model, experie
     settings = UpdateSettings(ppo_epochs=2, mini_batch_sequences=6, micro_batch_size=4)
     assert settings.optimizer_steps_per_batch(len(batch)) == 4
     metrics = update_policy(
-        policy, optimizer, batch, advantages, settings, old_logprobs=old_logprobs
+        TrainedModule("policy", policy, optimizer),
+        batch,
+        advantages,
+        settings,
+        old_logprobs=old_logprobs,
     )
     assert len(steps) == 4
     assert all(count > 0 for count in steps)  # every step had gradients to apply
@@ -231,8 +241,7 @@ def test_each_mini_batch_is_its_own_optimizer_step(model, experience):
     )
     policy = copy.deepcopy(model)
     update_policy(
-        policy,
-        torch.optim.SGD(policy.parameters(), lr=1.0),
+        TrainedModule("policy", policy, torch.optim.SGD(policy.parameters(), lr=1.0)),
         batch,
         advantages,
         settings,
@@ -251,8 +260,7 @@ def test_each_mini_batch_is_its_own_optimizer_step(model, experience):
         part = batch.select(index)
         width = part.responses.shape[1]
         update_policy(
-            expected,
-            optimizer,
+            TrainedModule("policy", expected, optimizer),
             part,
             advantages[index, :width],
             dataclasses.replace(settings, mini_batch_sequences=0),

@@ -1,0 +1,224 @@
+"""The Ray backend (``pipeline.backend=ray``): the trainer, rollout workers and reward workers
+as Ray actors, on a local Ray instance or an existing cluster. With ``ray_pools`` and
+``ray_workers``, the only modules importing ray.
+
+The loop is the one every schedule runs (``loop.TrainLoop``, ``producer.RolloutProducer``);
+Ray changes where its parts live, not what they do:
+
+- ``train_on_ray`` (the ``honing train`` process) joins or starts Ray, starts the run's
+  control actor and the **trainer actor** (``pipeline.trainer_cpus`` / ``trainer_gpus``), and
+  waits for it; errors raised in the actor (a bad config, an alert's stop) come back as they
+  were raised, so exit statuses are the same as without Ray.
+- In the trainer actor the run is built as usual, then ``attach`` swaps in the two pools: the
+  training engine becomes ``RayRolloutEngine`` over ``pipeline.rollout_workers`` **rollout
+  workers** (each a ``TransformersEngine`` on its own copy of the policy), and the scorer
+  becomes ``RayScorer`` over ``pipeline.reward_workers`` **reward workers** (each the run's
+  own scorer, ``build_scorer``). Validation stays in the trainer, on the policy itself.
+- Under ``schedule.mode=one_step|async`` the producer's queue sits in the trainer actor: its
+  generation thread feeds the rollout workers while its scoring threads feed the reward
+  workers and the trainer updates.
+
+Rollout work is split into tasks of ``pipeline.rollout_chunk`` prompts, each seeded by its
+place in the batch, and handed to whichever worker is free: a step's samples are the same for
+any number of workers, and the same when a worker dies and its task runs elsewhere.
+
+Elastic: before each batch (and as tasks finish) the engine matches the number of workers to
+the run's control actor, which ``honing scale RUN_DIR --rollout-workers N`` (or ``scale``)
+sets while training runs: new workers join once loaded (with the newest weights), surplus
+ones leave when idle. A worker that dies is replaced; its task runs on another worker and its
+samples are counted in ``samples/regenerated``. Events: ``rollout_worker_replaced``,
+``reward_worker_replaced``, ``rollout_workers_scaled``. Metrics: ``ray/rollout_workers``,
+``ray/reward_workers`` (live workers when the step's batch was taken).
+
+Placement: ``pipeline.placement=spread`` spreads the workers over the cluster's nodes (Ray's
+SPREAD strategy), ``pack`` lets Ray pack them. Every node must see ``model.path`` (a shared
+filesystem, or the same path on each node) and have honing installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+from honing.backends.ray_pools import (
+    NAMESPACE,
+    Control,
+    Report,
+    WorkersUnavailable,
+    _cause,
+)
+from honing.backends.ray_workers import RayRolloutEngine, RayScorer, RewardPool
+from honing.config import Config, PipelineConfig
+from honing.errors import ConfigError
+from honing.pipeline.components import Components, build_components
+from honing.pipeline.run import train_here
+from honing.pipeline.weight_sync import rollout_weights
+
+
+def connect(settings: PipelineConfig) -> bool:
+    """Joins ``pipeline.ray_address`` (or starts a local Ray instance when it is empty);
+    returns whether this call started Ray (and so must shut it down). Already connected
+    (a script or test that called ``ray.init``): that connection is used."""
+    if ray.is_initialized():
+        return False
+    address = settings.ray_address or None
+    kwargs = {"namespace": NAMESPACE, "log_to_driver": True}
+    if address is None:  # a local instance with room for every actor the run asks for
+        wanted = (
+            settings.trainer_cpus
+            + settings.rollout_workers * settings.rollout_cpus
+            + settings.reward_workers * settings.reward_cpus
+        )
+        kwargs |= {"num_cpus": max(os.cpu_count() or 1, int(wanted + 0.999) + 1)}
+        kwargs |= {"include_dashboard": False}
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as err:
+        raise ConfigError(
+            f"pipeline.ray_address={settings.ray_address!r}: no Ray cluster answered ({err}); "
+            "start one with `ray start --head` or leave the key empty for a local instance"
+        ) from None
+    return True
+
+
+def run_id(run_dir: Path) -> str:
+    """A name for the run's actors: the run directory's name and a hash of its full path."""
+    path = str(Path(run_dir).resolve())
+    return f"{Path(path).name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+def train_on_ray(config: Config, run_dir: Path, resume: str) -> dict:
+    """Runs ``run.train_here`` in the trainer actor; returns its summary."""
+    settings = config.pipeline
+    started = connect(settings)
+    rid = run_id(run_dir)
+    control = Control.options(name=f"{rid}/control", namespace=NAMESPACE, num_cpus=0).remote(
+        settings.rollout_workers, settings.reward_workers
+    )
+    trainer = TrainerActor.options(
+        num_cpus=settings.trainer_cpus,
+        num_gpus=settings.trainer_gpus,
+        name=f"{rid}/trainer",
+        namespace=NAMESPACE,
+    ).remote(rid, control)
+    try:
+        wait_ready(
+            trainer,
+            "the trainer actor",
+            settings.trainer_cpus,
+            settings.trainer_gpus,
+            settings.actor_start_timeout_s,
+        )
+        try:
+            return ray.get(trainer.train.remote(config, str(run_dir), resume))
+        except RayTaskError as err:
+            raise _cause(err) from None
+    finally:
+        ray.kill(trainer)  # its workers go with it
+        ray.kill(control)
+        if started:
+            ray.shutdown()
+
+
+def scale(
+    run_dir: str | Path,
+    rollout_workers: int | None = None,
+    reward_workers: int | None = None,
+    address: str = "auto",
+) -> dict:
+    """Sets the worker targets of the run training into ``run_dir`` on the Ray cluster at
+    ``address``; returns the new targets."""
+    started = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        except ConnectionError as err:
+            raise ConfigError(f"--address {address}: no Ray cluster answered ({err})") from None
+        started = True
+    try:
+        try:
+            control = ray.get_actor(f"{run_id(Path(run_dir))}/control", namespace=NAMESPACE)
+        except ValueError:
+            raise ConfigError(
+                f"{run_dir}: no run with pipeline.backend=ray is training into it on this cluster"
+            ) from None
+        try:
+            return ray.get(control.set.remote(rollout_workers, reward_workers))
+        except RayTaskError as err:
+            raise ConfigError(str(_cause(err))) from None
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def wait_ready(actor, what: str, cpus: float, gpus: float, timeout_s: float) -> None:
+    try:
+        ray.get(actor.ready.remote(), timeout=timeout_s)
+    except GetTimeoutError:
+        raise WorkersUnavailable(
+            f"{what} was not placed within pipeline.actor_start_timeout_s={timeout_s:g}: it "
+            f"asks for {cpus:g} CPUs and {gpus:g} GPUs; the cluster has "
+            f"{ray.available_resources()} free. Lower the pipeline.*_cpus / *_gpus keys or add "
+            "nodes"
+        ) from None
+    except RayTaskError as err:
+        raise _cause(err) from None
+
+
+@ray.remote
+class TrainerActor:
+    """Runs the whole run (``run.train_here``); the pools it starts are its children."""
+
+    def __init__(self, rid: str, control):
+        # Ray ships this class by value: reach the imported module's session, not a copy.
+        from honing.backends import ray_run
+
+        ray_run._SESSION.update(run_id=rid, control=control)
+
+    def ready(self) -> bool:
+        return True
+
+    def train(self, config: Config, run_dir: str, resume: str) -> dict:
+        return train_here(config, Path(run_dir), resume, build=build_on_ray)
+
+
+# Set in the trainer actor: the run's id and control actor, for ``attach``.
+_SESSION: dict = {}
+
+
+def build_on_ray(config: Config, log=print) -> Components:
+    """``build_components``, then the Ray pools in place of the training engine and scorer."""
+    parts = build_components(config, log=log)
+    return attach(config, parts, parts.model_path)
+
+
+def attach(config: Config, parts: Components, model_dir: Path) -> Components:
+    """Swaps ``parts``' training engine and scorer for the Ray pools (see the module)."""
+    if not _SESSION:  # built outside a trainer actor (a script): a session of its own
+        connect(config.pipeline)
+        rid = f"adhoc-{time.time_ns()}"
+        _SESSION.update(
+            run_id=rid,
+            control=Control.options(name=f"{rid}/control", namespace=NAMESPACE).remote(
+                config.pipeline.rollout_workers, config.pipeline.reward_workers
+            ),
+        )
+    report = Report()
+    engine = RayRolloutEngine(config, model_dir, _SESSION["control"], _SESSION["run_id"], report)
+    engine.load_weights(0, rollout_weights(parts, engine))
+    scorer = parts.scorer
+    if config.pipeline.reward_workers:
+        rewards = RewardPool(config, _SESSION["control"], _SESSION["run_id"], report)
+        scorer = RayScorer(rewards, parts.scorer)
+    return replace(
+        parts,
+        engine=engine,
+        scorer=scorer,
+        make_scorer=scorer.sibling if isinstance(scorer, RayScorer) else parts.make_scorer,
+    )

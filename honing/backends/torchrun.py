@@ -1,0 +1,245 @@
+"""Data-parallel training over torch.distributed, launched with torchrun:
+
+    torchrun --nproc_per_node N -m honing.cli train CONFIG [section.key=value ...] --output-dir DIR
+
+Rank 0 runs the whole loop (generation, scoring, logging, checkpoints); its ``Leader`` is the
+loop's ``Peers``. The work the ranks share is announced as an op: at each update rank 0 sends
+the step's ``UpdateInputs`` and every rank runs ``apply_update`` on them, its trainer engines
+(``Replicated``) running its share of the rows with gradients summed across ranks, so all take
+the same optimizer step and keep the same weights. With ``pipeline.spread_generation``, each
+generate call is cut into tasks dealt to the ranks (``SpreadEngine``). Whenever rank 0's
+weights change in another way (a resume, a rollback) its trainer engines' whole state goes
+with the next op. The other ranks write nothing.
+
+Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from honing.config import Config
+from honing.host import configure_host
+from honing.models.loading import resolve_device
+from honing.pipeline.components import Components, build_components
+from honing.pipeline.run import close, prepare, run_training
+from honing.pipeline.update import UpdateInputs, apply_update
+from honing.rollout.base import (
+    EngineReport,
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    chunked,
+)
+from honing.rollout.speculative import merge_metrics
+
+TIMEOUT = timedelta(minutes=30)  # a rank waiting longer for the others fails
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) outside it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+_JOINED = []  # the group ``init`` created (a caller's own group is left to the caller)
+
+
+def init(device: torch.device):
+    """Joins the process group when launched with several ranks; returns it (or None)."""
+    rank, size = world()
+    if size <= 1:
+        return None
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method="env://", timeout=TIMEOUT)
+        _JOINED.append(dist.group.WORLD)
+    return dist.group.WORLD
+
+
+def leave(group, wait: bool) -> None:
+    """Destroys the process group ``init`` created. A process that exits with a gloo group
+    alive can abort in its C++ teardown ("terminate called without an active exception").
+    With ``wait``, first waits until every rank is done with the group, so none closes a
+    connection another still reads from; without (a rank failed), leaves at once."""
+    if group is None or group not in _JOINED or not dist.is_initialized():
+        return
+    if wait:
+        dist.barrier(group=group)
+    _JOINED.remove(group)
+    dist.destroy_process_group()
+
+
+def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
+    """The run on this rank: rank 0 trains as one process would, with the others as its
+    peers; the others follow it. Returns rank 0's summary ({} elsewhere)."""
+    rank, _ = world()
+    prepared = prepare(config, run_dir, resume) if rank == 0 else None
+    configure_host(config.trainer.threads)
+    torch.manual_seed(config.trainer.seed)
+    group = init(resolve_device(config.model.device))
+    parts = None
+    try:
+        parts = build_components(config, log=log, group=group)
+        result, ended_well = {}, True
+        if rank != 0:
+            ended_well = follow(parts, group)  # rank 0 logs and checkpoints
+        else:
+            with lead(group, parts, config) as leader:
+                result = run_training(config, run_dir, parts, prepared, log, peers=leader)
+        leave(group, wait=ended_well)  # all ranks together, unless one failed
+        return result
+    finally:
+        leave(group, wait=False)  # this rank failed; after a leave, nothing
+        if parts is not None:
+            close(parts)
+
+
+class Leader:
+    """Rank 0's side (the loop's ``Peers``): announces each op the ranks share, with its
+    trainer engines' whole state first when the others' copy is out of date."""
+
+    def __init__(self, group, parts: Components, config: Config):
+        self.group, self.parts, self.config = group, parts, config
+        self.send_state = True  # the others built their model from model.path: sync first
+        self.busy = False  # inside collectives the others run too (an update, a generation)
+
+    def weights_changed(self) -> None:
+        """Rank 0 loaded other weights (resume, rollback): send them with the next op."""
+        self.send_state = True
+
+    def spread(self, engine: RolloutEngine) -> RolloutEngine:
+        """With ``pipeline.spread_generation``, an in-process engine's calls dealt to every
+        rank (``SpreadEngine``); not with MTP heads, which draft on rank 0 alone."""
+        settings = self.config.pipeline
+        if settings.spread_generation and engine.in_process and self.parts.trainers.mtp is None:
+            return SpreadEngine(self, engine, settings.rollout_chunk)
+        return engine
+
+    @contextmanager
+    def together(self, op: str, payload):
+        """Sends ``op`` and its ``payload`` (and rank 0's state when due); the body runs rank
+        0's part of the work, in step with the others. Should the body fail, the others are
+        inside its collectives where no stop message reaches them: rank 0 just fails
+        (torchrun then stops them)."""
+        wire = payload.for_wire() if isinstance(payload, UpdateInputs) else payload
+        message = {"op": op, "payload": wire}
+        if self.send_state:
+            message["state"] = {e.role: e.state() for e in self.parts.trainers.all()}
+            self.send_state = False
+        dist.broadcast_object_list([message], src=0, group=self.group)
+        self.busy = True
+        yield
+        self.busy = False
+
+    def stop(self, failed: bool) -> None:
+        """Tells the others the run ended, and whether it failed."""
+        dist.broadcast_object_list([{"op": "stop", "failed": failed}], src=0, group=self.group)
+
+
+@contextmanager
+def lead(group, parts: Components, config: Config) -> Iterator[Leader | None]:
+    """Rank 0's ``Leader`` (None without other ranks). However the run ends, the others are
+    told it ended and whether it failed, so none waits on the next op; unless it failed
+    inside their shared work, where they wait in its collectives instead (``together``)."""
+    leader = Leader(group, parts, config) if group is not None else None
+    try:
+        yield leader
+    except BaseException:
+        if leader is not None and not leader.busy:
+            leader.stop(failed=True)
+        raise
+    if leader is not None:
+        leader.stop(failed=False)
+
+
+def follow(parts: Components, group) -> bool:
+    """A rank other than 0: runs its part of each op rank 0 announces until it stops;
+    returns whether rank 0's run ended well."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        message = box[0]
+        if message["op"] == "stop":
+            return not message["failed"]
+        for engine in parts.trainers.all():
+            if engine.role in message.get("state", {}):
+                engine.load_state(message["state"][engine.role])
+        if message["op"] == "update":
+            apply_update(parts.trainers, message["payload"])
+        elif message["op"] == "generate":
+            version, tasks = message["payload"]
+            parts.engine.load_weights(version)  # its copy is rank 0's: the label
+            gather_shares(parts.engine, tasks, group)
+
+
+class SpreadEngine(RolloutEngine):
+    """Rank 0's engine under torchrun: each generate call is cut into tasks of ``chunk``
+    prompts (each seeded by its position, as the Ray backend's are, so the samples do not
+    depend on the number of ranks) dealt to the ranks in turn; every rank samples its tasks
+    with its own copy of the policy, which updates keep equal to rank 0's, and rank 0 gathers
+    them. Generation on another thread (``detached_copy``: the one_step and async schedules)
+    stays on rank 0."""
+
+    shares_policy = True
+    in_process = True
+
+    def __init__(self, leader: Leader, local: RolloutEngine, chunk: int):
+        self.leader, self.local, self.chunk = leader, local, chunk
+        self._reports, self._ranks = [], 0  # since the last take_report
+
+    @property
+    def weight_version(self) -> int:
+        return self.local.weight_version
+
+    def load_weights(self, version: int, weights=None) -> None:
+        self.local.load_weights(version)  # the others' copies follow the updates
+
+    def detached_copy(self) -> RolloutEngine:
+        return self.local.detached_copy()
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams):
+        tasks = chunked(requests, params, self.chunk)
+        leader = self.leader
+        with leader.together("generate", (self.local.weight_version, tasks)):
+            shares = gather_shares(self.local, tasks, leader.group)
+        done = {}
+        for rollouts_by_task, report in shares:
+            done |= rollouts_by_task
+            self._reports.append(report)
+        self._ranks = max(self._ranks, sum(1 for by_task, _ in shares if by_task))
+        return [rollout for index in sorted(done) for rollout in done[index]]
+
+    def take_report(self) -> EngineReport:
+        """The ranks' engine reports as one, and ``rollout/generation_ranks``: how many
+        ranks sampled."""
+        reports, self._reports = self._reports, []
+        metrics = merge_metrics([metrics for metrics, _ in reports])
+        if self._ranks:
+            metrics["rollout/generation_ranks"] = float(self._ranks)
+        self._ranks = 0
+        return metrics, [event for _, events in reports for event in events]
+
+
+def gather_shares(engine: RolloutEngine, tasks: list, group) -> list | None:
+    """This rank's tasks (every world-size-th, from its rank) sampled with ``engine``,
+    gathered on rank 0 as each rank's ({task index: rollouts}, engine report); None
+    elsewhere."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = {
+        index: engine.generate(requests, params)
+        for index, (requests, params) in enumerate(tasks)
+        if index % size == rank
+    }
+    share = (mine, engine.take_report())
+    shares = [None] * size if rank == 0 else None
+    dist.gather_object(share, shares, dst=0, group=group)
+    return shares

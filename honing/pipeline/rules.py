@@ -1,0 +1,138 @@
+"""Every rule that ties config keys to each other, checked in one place before anything loads.
+
+``honing.config`` checks each key alone (type, range, choices); ``check_config`` checks the
+combinations: registry names, what each algorithm, schedule, engine and backend needs of the
+others. A bad combination is a ``ConfigError`` naming the keys, so ``honing train``, ``honing
+eval`` and ``honing doctor`` exit 2 with one line within a second, before a model or a data
+file is read. What depends on the model itself (a LoRA target tied to another weight, a
+policy the fast decode path cannot take) is checked when the model has loaded.
+"""
+
+from __future__ import annotations
+
+from honing.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from honing.config import Config
+from honing.errors import ConfigError
+from honing.pipeline.alerting import parse_rules
+
+
+def check_config(config: Config, world_size: int = 1) -> None:
+    """Raises ``ConfigError`` for the first rule ``config`` breaks; ``world_size``: the
+    number of torchrun ranks the run is launched with."""
+    for check in (_algorithm, _monitor, _data, _rollout, _schedule):
+        check(config)
+    _backend(config, world_size)
+
+
+def _algorithm(config: Config) -> None:
+    algo = config.algorithm
+    for key, value, registry in (
+        ("algorithm.advantage", algo.advantage, ADVANTAGE_ESTIMATORS),
+        ("algorithm.policy_loss", algo.policy_loss, POLICY_LOSSES),
+        ("algorithm.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS),
+    ):
+        if value not in registry:
+            raise ConfigError(
+                f"{key}: {value!r} is not known; choose one of: {', '.join(sorted(registry))}"
+            )
+    if 0 < algo.clip_ratio_c <= 1:
+        raise ConfigError(
+            "algorithm.clip_ratio_c: the dual-clip bound must be > 1 (e.g. 3), or 0 for off"
+        )
+    if algo.clip_ratio_c and algo.policy_loss != "ppo_clip":
+        raise ConfigError("algorithm.clip_ratio_c: dual clip applies to ppo_clip only")
+    if config.reward.overlong_buffer_len >= config.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer_len: {config.reward.overlong_buffer_len} must be less "
+            f"than rollout.max_new_tokens={config.rollout.max_new_tokens}"
+        )
+    if algo.kl_in_reward and algo.kl_coef == 0:
+        raise ConfigError(
+            "algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's "
+            "starting coefficient)"
+        )
+    if algo.advantage == "grpo" and config.rollout.group_size < 2:
+        raise ConfigError(
+            "rollout.group_size: grpo compares samples within a group; with group_size="
+            f"{config.rollout.group_size} every advantage is 0. Use group_size >= 2"
+        )
+
+
+def _monitor(config: Config) -> None:
+    rules = parse_rules(config.monitor)
+    if config.algorithm.kl_coef == 0 and any("kl_coef" in r.rollback for r in rules):
+        raise ConfigError(
+            "monitor.alerts: rollback(kl_coef=...) needs algorithm.kl_coef > 0 (a reference "
+            "model is loaded only then)"
+        )
+
+
+def _data(config: Config) -> None:
+    data = config.data
+    if data.train_files and not data.val_files:
+        raise ConfigError(
+            "data.val_files is empty; validation needs held-out prompts "
+            "(set data.val_files with data.train_files)"
+        )
+    if data.val_files and not data.train_files:
+        raise ConfigError("data.val_files is set but data.train_files is empty; set both")
+    if not config.model.path:
+        raise ConfigError("model.path is empty; give a local model directory or builtin:tiny")
+
+
+def _rollout(config: Config) -> None:
+    rollout = config.rollout
+    if rollout.engine == "openai":
+        if not [url for url in rollout.endpoints.split(",") if url.strip()]:
+            raise ConfigError("rollout.engine=openai needs rollout.endpoints (server URLs)")
+        if rollout.weight_sync == "disk" and not rollout.weight_dir:
+            raise ConfigError("rollout.weight_sync=disk needs rollout.weight_dir")
+    if rollout.speculative == "server":
+        if rollout.engine != "openai":
+            raise ConfigError(
+                "rollout.speculative=server reads the acceptance remote servers report; it "
+                "needs rollout.engine=openai (for honing's own engine: ngram, draft or mtp)"
+            )
+        return
+    if rollout.speculative == "off":
+        return
+    if rollout.engine != "transformers":
+        raise ConfigError(
+            "rollout.speculative applies to honing's own engine; for vLLM or SGLang servers "
+            "start them with their speculative options and set rollout.speculative=server"
+        )
+    if not rollout.fast_decode:
+        raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
+    if rollout.speculative == "draft" and not rollout.spec_draft:
+        raise ConfigError("rollout.speculative=draft needs rollout.spec_draft (a model dir)")
+
+
+def _schedule(config: Config) -> None:
+    """Dynamic sampling and ReMax generate again from the first round's scores, which the
+    schedules that generate ahead do not have yet."""
+    mode = config.schedule.mode
+    if mode == "sync":
+        return
+    for unsupported, key in (
+        (config.algorithm.dynamic_sampling, "algorithm.dynamic_sampling"),
+        (config.algorithm.advantage == "remax", "algorithm.advantage=remax"),
+    ):
+        if unsupported:
+            raise ConfigError(
+                f"{key} is not supported with schedule.mode={mode} yet; use schedule.mode=sync"
+            )
+
+
+def _backend(config: Config, world_size: int) -> None:
+    if config.pipeline.backend != "ray":
+        return
+    if world_size > 1:
+        raise ConfigError(
+            "pipeline.backend=ray does not run under torchrun; start one process "
+            "(the trainer actor holds the trainer)"
+        )
+    if config.rollout.engine != "transformers":
+        raise ConfigError(
+            "pipeline.backend=ray runs honing's own engine in its rollout workers; "
+            f"rollout.engine={config.rollout.engine} is for remote servers (use backend=local)"
+        )

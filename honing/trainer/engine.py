@@ -1,0 +1,221 @@
+"""Trainer engines: one per trained module (the policy, the critic, the MTP heads).
+
+An engine owns its module, optimizer and learning-rate schedule, and is the only thing that
+knows how the module is laid out across processes. The update code asks it for what depends
+on that layout and nothing else:
+
+- ``rows(index, size)``: this process's micro-batches of a mini-batch's rows;
+- ``step(grad_clip)``: after the micro-batches' backward passes, the gradients reduced
+  across processes, clipped, and the optimizer step, skipped when their norm is not finite;
+- ``reduce(totals)``: metric sums over every process;
+- ``weights(...)``: the module's weights for the rollout engines, as buckets of (name,
+  tensor) pieces of bounded size, never one whole copy;
+- ``state()`` / ``load_state(state)``: what a checkpoint holds of it and putting it back;
+- ``offload(device)``: its idle state (optimizer, gradients, and weights generation does not
+  use) moved while it is idle.
+
+``TrainedModule`` implements it for two layouts: ``OneProcess`` and ``Replicated`` (torchrun
+data parallelism: every rank holds the whole module and takes the same optimizer step on
+gradients summed over ranks). A sharded layout is a third. Forward passes (logprobs, values)
+call ``engine.module`` as the model it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from honing.rollout.base import buckets
+
+
+class TrainerEngine(Protocol):
+    """What the update, checkpointing, weight sync and offload ask of a trained module."""
+
+    role: str  # policy | critic | mtp: the key of its state in a checkpoint
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
+    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]: ...
+
+    def zero_grad(self) -> None: ...
+
+    def step(self, grad_clip: float) -> tuple[torch.Tensor, bool]: ...
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def weights(
+        self, pieces: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+    def state(self, module: bool = True, optimizer: bool = True) -> dict[str, Any]: ...
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+    def offload(self, device: torch.device) -> int: ...
+
+
+def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch.Tensor, bool]:
+    """Clips the gradients to ``grad_clip`` (0: off) and steps, unless their norm is not
+    finite (a NaN/inf gradient would poison every weight through Adam): then they are
+    dropped. Returns the norm and whether the step was taken; one host sync."""
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in module.parameters() if p.grad is not None]
+        )
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    return norm, True
+
+
+def move_optimizer_state(optimizer, device: torch.device) -> int:
+    """Moves the optimizer's tensors (Adam's moments) to ``device`` (pinned host memory when
+    CUDA is there to copy back from); returns the bytes moved."""
+    moved = 0
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[key] = value.to(device, non_blocking=not pin)
+                if pin:
+                    state[key] = state[key].pin_memory()
+                moved += value.numel() * value.element_size()
+    return moved
+
+
+class OneProcess:
+    """The layout of a module held whole by this one process."""
+
+    rank, world = 0, 1
+
+    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        return torch.split(index, size)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        return None
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return totals
+
+
+class Replicated:
+    """The layout of torchrun data parallelism: the whole module on every rank of ``group``;
+    rank r runs rows r, r + W, ... of each mini-batch, and the summed gradients (one
+    all-reduce per optimizer step) give every rank the single-process step, so every rank
+    holds the same weights and optimizer state."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        if len(index) < self.world:
+            raise ValueError(
+                f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
+                "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
+            )
+        return torch.split(index[self.rank :: self.world], size)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """All-reduce (sum) every trainable parameter's gradient, as one flat buffer."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+            param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = sorted(totals)
+        values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
+        dist.all_reduce(values, group=self.group)
+        return dict(zip(names, values, strict=True))
+
+
+class TrainedModule:
+    """A ``TrainerEngine``: ``module`` with its optimizer and schedule, laid out by
+    ``layout`` (``OneProcess()`` or ``Replicated(group)``). ``serves_generation``: the rollout
+    engines sample with the module itself (the policy, the MTP heads), so offloading leaves
+    its weights in place."""
+
+    def __init__(
+        self,
+        role: str,
+        module: nn.Module,
+        optimizer,
+        scheduler=None,
+        *,
+        layout=None,
+        serves_generation: bool = False,
+    ):
+        self.role, self.module = role, module
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.layout = layout or OneProcess()
+        self.serves_generation = serves_generation
+
+    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        return self.layout.rows(index, size)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, grad_clip: float) -> tuple[torch.Tensor, bool]:
+        self.layout.reduce_gradients(self.module)
+        return clip_and_step(self.module, self.optimizer, grad_clip)
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.layout.reduce(totals)
+
+    def weights(self, pieces=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The module's state in buckets: its live tensors (the receiver copies them), or
+        what ``pieces(module)`` yields (e.g. LoRA adapters merged into plain weights)."""
+        source = pieces(self.module) if pieces else self.module.state_dict().items()
+        return buckets(source)
+
+    def state(self, module: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """Its weights (unless not ``module``: the policy's are saved apart, in Hugging Face
+        format), its optimizer's state (unless not ``optimizer``) and its schedule's."""
+        state = {"module": self.module.state_dict()} if module else {}
+        if optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Puts back what ``state`` holds (a checkpoint saved without the optimizer has
+        none: Adam's moments then start again)."""
+        if "module" in state:
+            self.module.load_state_dict(state["module"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+            # LambdaLR does not restore the optimizer's own lr: its last scheduled value.
+            last = self.scheduler.get_last_lr()
+            for group, lr in zip(self.optimizer.param_groups, last, strict=True):
+                group["lr"] = lr
+
+    def offload(self, device: torch.device) -> int:
+        """Its idle state to ``device``: the optimizer's, and the module's own weights unless
+        generation samples with them (``serves_generation``); on the way to the host its
+        gradients are dropped (the next update zeroes them before use). Returns the bytes
+        moved."""
+        moved = move_optimizer_state(self.optimizer, device)
+        if device.type == "cpu":
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    moved += param.grad.numel() * param.grad.element_size()
+                    param.grad = None
+        if not self.serves_generation:
+            moved += sum(p.numel() * p.element_size() for p in self.module.parameters())
+            self.module.to(device)
+        return moved
