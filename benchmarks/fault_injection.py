@@ -114,8 +114,11 @@ def compare(dir_a: Path, dir_b: Path, step: int) -> dict:
     weights_a = load_file(ckpt_a / "model.safetensors")
     weights_b = load_file(ckpt_b / "model.safetensors")
     unequal = [k for k in weights_a if not torch.equal(weights_a[k], weights_b[k])]
-    state_a = torch.load(ckpt_a / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
-    state_b = torch.load(ckpt_b / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
+    def optimizer_state(checkpoint):
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+        return state["trainers"]["policy"]["optimizer"]["state"]
+
+    state_a, state_b = optimizer_state(ckpt_a), optimizer_state(ckpt_b)
     optimizer_equal = state_a.keys() == state_b.keys() and all(
         torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i]
     )

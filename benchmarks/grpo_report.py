@@ -118,8 +118,8 @@ def write_markdown(report: dict, path: Path) -> str:
         "gen: generation; ref: reference logprobs; old: pre-update logprobs (honing skips them "
         "when a batch is used once); update: policy forward + loss + backward + optimizer; "
         "sync: the new weights to the engines (honing's in-process engine shares the policy "
-        "module; TRL generates with the trained module itself; – where a run predates the "
-        "metric); rest: the step less those (collation, advantages, logging, TRL's "
+        "module; TRL generates with the trained module itself; – where not recorded); "
+        "rest: the step less those (collation, advantages, logging, TRL's "
         "tokenisation). gen / update tok/s: a step's completion tokens over the median "
         "generation / update time.",
         "",
