@@ -1,4 +1,4 @@
-"""Every GPU check of issues 6 and 8 in one script, for the (rare, 15-minute) lent GPU.
+"""Every GPU measurement of honing in one script, short enough for a 15-minute GPU slot.
 
 On a random ~0.5B Qwen2 configuration (Qwen2-0.5B's shape: hidden 896, 24 layers, 14 heads,
 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings) in bfloat16, with random weights
