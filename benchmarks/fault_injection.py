@@ -114,6 +114,7 @@ def compare(dir_a: Path, dir_b: Path, step: int) -> dict:
     weights_a = load_file(ckpt_a / "model.safetensors")
     weights_b = load_file(ckpt_b / "model.safetensors")
     unequal = [k for k in weights_a if not torch.equal(weights_a[k], weights_b[k])]
+
     def optimizer_state(checkpoint):
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
         return state["trainers"]["policy"]["optimizer"]["state"]
