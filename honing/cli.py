@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         with stop_on_sigterm():
             return run(ns)
     except UserError as err:
-        print(f"honing: error: {err}", file=sys.stderr)
+        # one write: torchrun's ranks share stderr, and lines written in two parts interleave
+        sys.stderr.write(f"honing: error: {err}\n")
+        sys.stderr.flush()
         return 2
     except RunStopped as stop:
         print(f"honing: {stop}", file=sys.stderr)

@@ -25,12 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from honing.config import Config
+from honing.config import Config, to_dict
+from honing.errors import ConfigError
 from honing.host import configure_host
 from honing.models.loading import resolve_device
 from honing.pipeline.components import Components, build_components
-from honing.pipeline.run import close, prepare, run_training
+from honing.pipeline.experience import forward_passes
+from honing.pipeline.run import close, flat, prepare, run_training
+from honing.pipeline.state import load_part, save_part
 from honing.pipeline.update import UpdateInputs, apply_update
+from honing.pipeline.weight_sync import send_weights
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
@@ -88,10 +92,12 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
     group = init(resolve_device(config.model.device))
     parts = None
     try:
-        parts = build_components(config, log=log, group=group)
+        check_same_config(config, group)
+        quiet = rank != 0  # rank 0 says what the build found (the others find the same)
+        parts = build_components(config, log=(lambda message: None) if quiet else log, group=group)
         result, ended_well = {}, True
         if rank != 0:
-            ended_well = follow(parts, group)  # rank 0 logs and checkpoints
+            ended_well = follow(parts, group, config)  # rank 0 logs and writes
         else:
             with lead(group, parts, config) as leader:
                 result = run_training(config, run_dir, parts, prepared, log, peers=leader)
@@ -103,18 +109,47 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
             close(parts)
 
 
+REPLICATED_OPS = frozenset({"update", "generate"})
+SHARDED_OPS = REPLICATED_OPS | {"forward", "sync", "save", "load"}
+
+
+def check_same_config(config: Config, group) -> None:
+    """Every rank was launched with the same config, or each fails at once with one line."""
+    if group is None:
+        return
+    mine = flat(to_dict(config))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            keys = sorted(
+                k for k in every[0].keys() | theirs.keys() if every[0].get(k) != theirs.get(k)
+            )
+            leave(group, wait=True)  # every rank found it: all say so before any exits
+            raise ConfigError(
+                f"rank {rank} was launched with another config than rank 0 (differs in: "
+                f"{', '.join(keys[:5])}); start every rank with the same command"
+            )
+
+
 class Leader:
-    """Rank 0's side (the loop's ``Peers``): announces each op the ranks share, with its
-    trainer engines' whole state first when the others' copy is out of date."""
+    """Rank 0's side (the loop's ``Peers``): announces each op the ranks share (replicated
+    modules: the update and spread generation; sharded ones: every pass, weight sync and
+    checkpoint too), with its trainer engines' whole state first when the others' copy of a
+    replicated module is out of date (a sharded run's ranks load their own shards)."""
 
     def __init__(self, group, parts: Components, config: Config):
         self.group, self.parts, self.config = group, parts, config
-        self.send_state = True  # the others built their model from model.path: sync first
+        sharded = parts.trainers.policy.layout.collective
+        self.shared = SHARDED_OPS if sharded else REPLICATED_OPS
+        self.send_state = not sharded  # replicas built from model.path: rank 0's state first
         self.busy = False  # inside collectives the others run too (an update, a generation)
+        self.announced = False  # inside an op the others run
 
     def weights_changed(self) -> None:
-        """Rank 0 loaded other weights (resume, rollback): send them with the next op."""
-        self.send_state = True
+        """Rank 0 loaded other weights (resume, rollback): send them with the next op (a
+        sharded run's ranks loaded theirs in the ``load`` op)."""
+        self.send_state = self.shared is REPLICATED_OPS
 
     def spread(self, engine: RolloutEngine) -> RolloutEngine:
         """With ``pipeline.spread_generation``, an in-process engine's calls dealt to every
@@ -126,19 +161,27 @@ class Leader:
 
     @contextmanager
     def together(self, op: str, payload):
-        """Sends ``op`` and its ``payload`` (and rank 0's state when due); the body runs rank
-        0's part of the work, in step with the others. Should the body fail, the others are
-        inside its collectives where no stop message reaches them: rank 0 just fails
-        (torchrun then stops them)."""
+        """Sends ``op`` and its ``payload`` (and rank 0's state when due), when the others
+        take part in it; the body runs rank 0's part of the work, in step with theirs. Should
+        the body fail, the others are inside its collectives where no stop message reaches
+        them: rank 0 just fails (torchrun then stops them)."""
+        if op not in self.shared:
+            yield
+            return
         wire = payload.for_wire() if isinstance(payload, UpdateInputs) else payload
         message = {"op": op, "payload": wire}
         if self.send_state:
             message["state"] = {e.role: e.state() for e in self.parts.trainers.all()}
             self.send_state = False
         dist.broadcast_object_list([message], src=0, group=self.group)
-        self.busy = True
+        self.busy = self.announced = True
         yield
-        self.busy = False
+        self.busy = self.announced = False
+
+    def tell(self, value) -> None:
+        """Within an announced op, a value rank 0 decided on the way (a save's directory)."""
+        if self.announced:
+            dist.broadcast_object_list([value], src=0, group=self.group)
 
     def stop(self, failed: bool) -> None:
         """Tells the others the run ended, and whether it failed."""
@@ -161,24 +204,37 @@ def lead(group, parts: Components, config: Config) -> Iterator[Leader | None]:
         leader.stop(failed=False)
 
 
-def follow(parts: Components, group) -> bool:
+def follow(parts: Components, group, config: Config) -> bool:
     """A rank other than 0: runs its part of each op rank 0 announces until it stops;
     returns whether rank 0's run ended well."""
-    while True:
+
+    def receive():
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
-        message = box[0]
-        if message["op"] == "stop":
+        return box[0]
+
+    while True:
+        message = receive()
+        op, payload = message["op"], message.get("payload")
+        if op == "stop":
             return not message["failed"]
         for engine in parts.trainers.all():
             if engine.role in message.get("state", {}):
                 engine.load_state(message["state"][engine.role])
-        if message["op"] == "update":
-            apply_update(parts.trainers, message["payload"])
-        elif message["op"] == "generate":
-            version, tasks = message["payload"]
+        if op == "update":
+            apply_update(parts.trainers, payload)
+        elif op == "generate":
+            version, tasks = payload
             parts.engine.load_weights(version)  # its copy is rank 0's: the label
             gather_shares(parts.engine, tasks, group)
+        elif op == "forward":
+            forward_passes(parts, *payload)
+        elif op == "sync":
+            send_weights(parts, payload, remote=False)  # rank 0 sends to servers
+        elif op == "save":
+            save_part(parts, config, receive)
+        elif op == "load":
+            load_part(parts, payload)
 
 
 class SpreadEngine(RolloutEngine):
@@ -189,7 +245,6 @@ class SpreadEngine(RolloutEngine):
     them. Generation on another thread (``detached_copy``: the one_step and async schedules)
     stays on rank 0."""
 
-    shares_policy = True
     in_process = True
 
     def __init__(self, leader: Leader, local: RolloutEngine, chunk: int):
@@ -200,8 +255,14 @@ class SpreadEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self.local.weight_version
 
+    @property
+    def shares_policy(self) -> bool:
+        """As rank 0's engine: it shares a replicated policy (the others' copies follow the
+        updates), or has its own copy of a sharded one (every rank's takes the weights)."""
+        return self.local.shares_policy
+
     def load_weights(self, version: int, weights=None) -> None:
-        self.local.load_weights(version)  # the others' copies follow the updates
+        self.local.load_weights(version, weights)
 
     def detached_copy(self) -> RolloutEngine:
         return self.local.detached_copy()

@@ -108,6 +108,8 @@ class RolloutConfig:
     # A generation batch running longer than this is cut: its unfinished samples end with
     # finish_reason abort (counted in rollout/gen_timeouts) and are trained as they are. 0 = off.
     gen_timeout_s: float = _opt(0.0, ge=0.0)
+    # The policy's weights reach the rollout engines in pieces of at most this many MiB
+    weight_bucket_mb: int = _opt(256, ge=1)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,12 @@ class TrainerConfig:
     # Logprob passes of Llama-family models run each prompt once per group, without padding
     # (honing/trainer/packed.py); the same numbers as the model's own forward, less work
     packed_forward: bool = _opt(True)
+    # Under torchrun: replicate (every rank holds the whole model, gradients all-reduced) or
+    # fsdp (FSDP2: each rank holds 1/N of the parameters, gradients and optimizer state)
+    strategy: str = _opt("replicate", choices=("replicate", "fsdp"))
+    fsdp_reshard_after_forward: bool = _opt(True)  # fsdp: free gathered layers after forward
+    # fsdp: the dtype parameters are cast to for compute (gradients reduce in float32)
+    fsdp_param_dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,11 @@ class MemoryConfig:
     # On a machine without CUDA it does nothing (and says so once, in events.jsonl).
     dynamic_offload: bool = _opt(False)
     offload_trigger_threshold: float = _opt(0.85, gt=0.0, le=1.0)
+    # trainer.strategy=fsdp on CUDA: parameters and gradients on the host, the optimizer step
+    # there too (FSDP2's CPU offload); the optimizer's state on the host between updates.
+    # On a machine without CUDA both do nothing (and say so once).
+    param_offload: bool = _opt(False)
+    optimizer_offload: bool = _opt(False)
 
 
 @dataclass(frozen=True)

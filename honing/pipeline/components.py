@@ -7,6 +7,7 @@ This is the one place that reads the config tree and hands plain values to the l
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from honing.trainer.critic import ValueModel
 from honing.trainer.engine import OneProcess, Replicated, TrainedModule, TrainerEngine
 from honing.trainer.optim import build_optimizer
 from honing.trainer.packed import packed_supported
+from honing.trainer.sharded import Sharded
 from honing.trainer.update import UpdateSettings
 from honing.types import Prompt
 
@@ -174,18 +176,23 @@ def build_components(config: Config, log=print, group=None) -> Components:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
         if rollout.engine != "transformers" or config.pipeline.backend == "ray":
             check_mergeable(policy)  # engines in other processes get the adapters merged
+    layout = trainer_layout(config, group, log)
+    # A sharded policy cannot sample on one rank alone: generation gets a whole copy of its
+    # own, which takes the weights after each update, gathered a tensor at a time.
+    sampler = copy.deepcopy(policy).eval().requires_grad_(False) if layout.collective else policy
+    policy = layout.prepare(policy)
     if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
-        reference = frozen_model(model_path, tokenizer, config, device)
+        reference = layout.prepare(frozen_model(model_path, tokenizer, config, device))
     rendered, prompt_ids = tokenize_prompts(train + val, tokenizer, rollout.max_seq_len)
-    local = local_engine(config, policy, tokenizer, device)
+    local = local_engine(config, sampler, tokenizer, device)
+    local.shares_policy = sampler is policy
     if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
-    layout = Replicated(group) if group is not None else OneProcess()
     trainers = Trainers(
         policy=policy_trainer(config, policy, layout),
         critic=critic_trainer(config, model_path, tokenizer, device, layout),
@@ -219,6 +226,28 @@ def build_components(config: Config, log=print, group=None) -> Components:
     )
 
 
+def trainer_layout(config: Config, group, log=print):
+    """How the trained modules are laid out: whole in this process; under torchrun
+    (``group``) replicated on every rank, or sharded over them (``trainer.strategy=fsdp``)."""
+    t, memory = config.trainer, config.memory
+    if (memory.param_offload or memory.optimizer_offload) and resolve_device(
+        config.model.device
+    ).type != "cuda":
+        log("memory.param_offload / optimizer_offload: no CUDA device, nothing to offload")
+    if group is None:
+        if t.strategy == "fsdp":
+            log("trainer.strategy=fsdp: one process (not launched by torchrun): trains whole")
+        return OneProcess()
+    if t.strategy == "fsdp":
+        return Sharded(
+            group,
+            reshard_after_forward=t.fsdp_reshard_after_forward,
+            param_dtype=t.fsdp_param_dtype,
+            param_offload=memory.param_offload,
+        )
+    return Replicated(group)
+
+
 def policy_trainer(config: Config, policy, layout) -> TrainedModule:
     """The policy's AdamW (over its trainable parameters) and learning-rate schedule."""
     t = config.trainer
@@ -233,7 +262,13 @@ def policy_trainer(config: Config, policy, layout) -> TrainedModule:
         min_ratio=t.min_lr_ratio,
     )
     return TrainedModule(
-        "policy", policy, optimizer, scheduler, layout=layout, serves_generation=True
+        "policy",
+        policy,
+        optimizer,
+        scheduler,
+        layout=layout,
+        serves_generation=True,
+        bucket_bytes=config.rollout.weight_bucket_mb << 20,
     )
 
 
@@ -249,7 +284,7 @@ def critic_trainer(config: Config, model_path: Path, tokenizer, device, layout):
     backbone = load_causal_lm(
         critic_dir, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
     )
-    critic = ValueModel(backbone).to(device)
+    critic = layout.prepare(ValueModel(backbone).to(device))
     optimizer = torch.optim.AdamW(
         critic.parameters(), lr=config.trainer.critic_lr, weight_decay=config.trainer.weight_decay
     )

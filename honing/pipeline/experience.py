@@ -23,6 +23,7 @@ from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_we
 from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
+from honing.pipeline.peers import Alone, Peers
 from honing.trainer.batch import TrainBatch, collate, response_logprobs
 from honing.trainer.update import autocast
 from honing.types import Rollout
@@ -65,40 +66,68 @@ def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return rewards * mask
 
 
+@dataclass(frozen=True)
+class Passes:
+    """Which passes without gradient a step's batch needs."""
+
+    reference: bool  # the reference's logprobs (KL)
+    values: bool  # the critic's values (gae)
+    old: bool  # the policy's own logprobs before the update
+
+
+def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict:
+    """The passes ``wanted`` of ``batch`` ([N, R] each, or None) and their timings; under a
+    sharded layout every rank runs this with the same batch, each computing its rows."""
+    update, policy = parts.update, parts.trainers.policy
+    width = batch.responses.shape[1]
+
+    def logprobs_of(model):
+        return lambda rows: response_logprobs(
+            model, rows, temperature=update.temperature, packed=update.packed
+        )[0]
+
+    out: dict = {"ref": None, "values": None, "old": None, "metrics": {}}
+    with torch.no_grad(), autocast(update.autocast, parts.device):
+        if wanted.reference:
+            started = time.perf_counter()
+            if parts.reference is not None:
+                out["ref"] = policy.layout.rowwise(logprobs_of(parts.reference), batch, width)
+            else:  # LoRA: the reference is the base model, the policy with adapters off
+                with policy.module.disable_adapter():
+                    out["ref"] = policy.layout.rowwise(logprobs_of(policy.module), batch, width)
+            out["metrics"]["timing_s/ref"] = time.perf_counter() - started
+        critic = parts.trainers.critic
+        if wanted.values:
+            out["values"] = critic.layout.rowwise(critic.module, batch, width)
+        if wanted.old:
+            started = time.perf_counter()
+            out["old"] = policy.layout.rowwise(logprobs_of(policy.module), batch, width)
+            out["metrics"]["timing_s/old"] = time.perf_counter() - started
+    return out
+
+
 def make_experience(
     config: Config,
     parts: Components,
     rollouts: list[Rollout],
     rewards: list[float],
     baselines: dict[int, float] | None = None,
+    peers: Peers | None = None,
 ) -> Experience:
-    algo, temperature = config.algorithm, parts.update.temperature
-    packed = parts.update.packed
+    """``peers``: the run's other processes, which take part in the passes without gradient
+    when the modules are sharded over them."""
+    algo = config.algorithm
     batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
     mask = batch.response_mask
-    metrics: dict[str, float] = {}
-    ref_logprobs = old_logprobs = None
-    with torch.no_grad(), autocast(parts.update.autocast, parts.device):
-        if parts.reference is not None or (config.algorithm.kl_coef > 0 and is_lora(parts.policy)):
-            started = time.perf_counter()
-            if parts.reference is not None:
-                ref_logprobs, _ = response_logprobs(
-                    parts.reference, batch, temperature=temperature, packed=packed
-                )
-            else:  # LoRA: the reference is the base model, the policy with adapters off
-                with parts.policy.disable_adapter():
-                    ref_logprobs, _ = response_logprobs(
-                        parts.policy, batch, temperature=temperature, packed=packed
-                    )
-            metrics["timing_s/ref"] = time.perf_counter() - started
-        critic = parts.trainers.critic
-        old_values = critic.module(batch) if critic is not None else None
-        if needs_old_logprobs(config, parts, len(batch)):
-            started = time.perf_counter()
-            old_logprobs, _ = response_logprobs(
-                parts.policy, batch, temperature=temperature, packed=packed
-            )
-            metrics["timing_s/old"] = time.perf_counter() - started
+    wanted = Passes(
+        reference=parts.reference is not None or (algo.kl_coef > 0 and is_lora(parts.policy)),
+        values=parts.trainers.critic is not None,
+        old=needs_old_logprobs(config, parts, len(batch)),
+    )
+    with (peers or Alone()).together("forward", (batch, wanted)):
+        passes = forward_passes(parts, batch, wanted)
+    metrics: dict[str, float] = dict(passes["metrics"])
+    ref_logprobs, old_values, old_logprobs = passes["ref"], passes["values"], passes["old"]
     scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]
     token_rewards = token_level_rewards(scores, mask)  # [N, R]
     if algo.kl_in_reward and ref_logprobs is not None:

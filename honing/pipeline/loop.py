@@ -56,11 +56,10 @@ class TrainLoop:
     ):
         self.peers = peers or Alone()
         self.config = config
-        parts = replace(
-            parts,
-            engine=self.peers.spread(parts.engine),
-            val_engine=self.peers.spread(parts.val_engine),
-        )
+        engine = self.peers.spread(parts.engine)  # under torchrun every rank may sample
+        same = parts.val_engine is parts.engine  # then it stays one engine
+        val_engine = engine if same else self.peers.spread(parts.val_engine)
+        parts = replace(parts, engine=engine, val_engine=val_engine)
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
@@ -115,7 +114,13 @@ class TrainLoop:
     def _save(self, step: int, required: bool | None = None):
         source = self.producer.source_state(step + 1) if self.producer else None
         return save_training_state(
-            self.checkpoints, self.parts, self.config, step, required, source_state=source
+            self.checkpoints,
+            self.parts,
+            self.config,
+            step,
+            required,
+            source_state=source,
+            peers=self.peers,
         )
 
     def _act(self, decision: Decision, step: int, alerting: Alerting) -> int:
@@ -161,7 +166,7 @@ class TrainLoop:
         """Reload ``checkpoint`` and apply the rollback's changes on top (the learning-rate
         scale accumulates over rollbacks); returns the checkpoint's step."""
         parts = self.parts
-        step = load_training_state(parts, checkpoint)
+        step = load_training_state(parts, checkpoint, self.peers)
         self.peers.weights_changed()
         self.lr_scale *= changes.get("lr_scale", 1.0)
         policy = parts.trainers.policy
@@ -239,7 +244,8 @@ class TrainLoop:
             parts.trainers.policy.scheduler.step()  # the policy's schedule starts with it
         t_sync = time.perf_counter()
         if self.producer is None:
-            send_weights(parts, step)
+            with self.peers.together("sync", step):
+                metrics["perf/sync_mb"] = send_weights(parts, step) / 2**20
         else:  # the producer's engine gets them on its own thread
             parts.val_engine.load_weights(step)
             self.producer.publish(step, snapshot(parts, self.producer.engine))
@@ -268,7 +274,20 @@ class TrainLoop:
             self.logger.log_histograms(step, {"critic/score": rewards, "response_length": lengths})
         if cfg.monitor.system_metrics:
             metrics |= system_metrics()
-        return metrics
+        return metrics | self._layout_metrics()
+
+    def _layout_metrics(self) -> dict[str, float]:
+        """``dist/world_size``, ``dist/strategy`` (0: one process, 1: replicated ranks, 2:
+        sharded) and ``memory/model_state_mb``: the parameters, gradients and optimizer
+        state this process holds, what sharding divides."""
+        layout = self.parts.trainers.policy.layout
+        strategy = 2.0 if layout.collective else (1.0 if layout.world > 1 else 0.0)
+        held = sum(engine.state_bytes() for engine in self.parts.trainers.all())
+        return {
+            "dist/world_size": float(layout.world),
+            "dist/strategy": strategy,
+            "memory/model_state_mb": held / 2**20,
+        }
 
     @staticmethod
     def _check_accounting(step: int, metrics: dict) -> None:
@@ -286,7 +305,7 @@ class TrainLoop:
         self.offload.mark()
         t0 = time.perf_counter()
         rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
-        exp = make_experience(self.config, parts, rollouts, rewards, got.baselines)
+        exp = make_experience(self.config, parts, rollouts, rewards, got.baselines, self.peers)
         t_update = time.perf_counter()
         # PPO's critic fits the values first; during its warm-up the policy waits.
         act = trainers.critic is None or step > self.config.trainer.critic_warmup_steps

@@ -19,7 +19,7 @@ from honing.pipeline.alerting import parse_rules
 def check_config(config: Config, world_size: int = 1) -> None:
     """Raises ``ConfigError`` for the first rule ``config`` breaks; ``world_size``: the
     number of torchrun ranks the run is launched with."""
-    for check in (_algorithm, _monitor, _data, _rollout, _schedule):
+    for check in (_algorithm, _monitor, _data, _rollout, _schedule, _strategy):
         check(config)
     _backend(config, world_size)
 
@@ -121,6 +121,25 @@ def _schedule(config: Config) -> None:
             raise ConfigError(
                 f"{key} is not supported with schedule.mode={mode} yet; use schedule.mode=sync"
             )
+
+
+def _strategy(config: Config) -> None:
+    """What the sharded strategy does not take yet: each needs the policy's forward on rank 0
+    alone (the MTP heads' training, the producer threads' snapshots) or moves what FSDP owns
+    (dynamic offload)."""
+    if config.trainer.strategy != "fsdp":
+        for key in ("param_offload", "optimizer_offload"):
+            if getattr(config.memory, key):
+                raise ConfigError(f"memory.{key} applies to trainer.strategy=fsdp")
+        return
+    for unsupported, key in (
+        (config.rollout.speculative == "mtp", "rollout.speculative=mtp"),
+        (config.schedule.mode != "sync", f"schedule.mode={config.schedule.mode}"),
+        (config.memory.dynamic_offload, "memory.dynamic_offload (use memory.param_offload)"),
+        (config.pipeline.backend == "ray", "pipeline.backend=ray"),
+    ):
+        if unsupported:
+            raise ConfigError(f"{key} is not supported with trainer.strategy=fsdp yet")
 
 
 def _backend(config: Config, world_size: int) -> None:

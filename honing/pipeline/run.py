@@ -66,11 +66,11 @@ def _holds_run(run_dir: Path, checkpoints: CheckpointManager) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or bool(checkpoints.complete_steps())
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
+            out |= flat(value, f"{prefix}{key}.")
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -81,7 +81,7 @@ def config_changes(checkpoint: Path, config: Config) -> list[str]:
     saved = checkpoint / CONFIG_FILE
     if not saved.exists():
         return []
-    before, now = _flat(yaml.safe_load(saved.read_text())), _flat(to_dict(config))
+    before, now = flat(yaml.safe_load(saved.read_text())), flat(to_dict(config))
     return sorted(k for k in now if k in before and before[k] != now[k])
 
 
@@ -190,7 +190,7 @@ def run_training(
     start, changed = 0, []
     if checkpoint is not None:
         changed = config_changes(checkpoint, config)
-        start = load_training_state(parts, checkpoint)
+        start = load_training_state(parts, checkpoint, peers)
         log(f"resuming from {checkpoint} (step {start})")
         if changed:
             log(f"config differs from the checkpoint's in: {', '.join(changed)}")

@@ -1,12 +1,17 @@
 """What a checkpoint holds, and putting it back.
 
     checkpoints/step_<N>/
-        config.json, model.safetensors, tokenizer files   the policy, Hugging Face format
+        config.json, model*.safetensors, tokenizer files   the policy, Hugging Face format
         trainer_state.pt    each trainer engine's state (optimizer, schedule; the critic's
                             and the MTP heads' weights) by role, torch RNG states
+        trainer/            sharded modules: each rank's shards (``checkpoint_files``)
         state.json          step, data cursor, seed (human-readable)
         config.yaml         the run's resolved config when this checkpoint was written
         COMPLETE            written last by CheckpointManager: only then is it loadable
+
+Under a sharded layout every rank takes part in a save and a load (``peers``: rank 0's
+``save`` and ``load`` ops; the others run ``save_part`` and ``load_part``): each writes and
+reads its own shards, rank 0 the files of the whole.
 
 Saving: a checkpoint whose weights are not all finite (a diverged run) is never written: the
 save is refused with a ``checkpoint_refused`` event, so ``--resume auto``, rollbacks and
@@ -37,11 +42,17 @@ import torch
 from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
-from honing.models.loading import is_lora, save_model
+from honing.pipeline.checkpoint_files import (
+    TRAINER_STATE,
+    load_engine_states,
+    load_policy,
+    write_policy,
+    write_trainer_state,
+)
 from honing.pipeline.components import Components
+from honing.pipeline.peers import Alone, Peers
 from honing.pipeline.weight_sync import send_weights
 
-TRAINER_STATE = "trainer_state.pt"
 STATE_JSON = "state.json"
 CONFIG_FILE = "config.yaml"
 
@@ -53,6 +64,7 @@ def save_training_state(
     step: int,
     required: bool | None = None,
     source_state: dict | None = None,
+    peers: Peers | None = None,
 ) -> Path | None:
     """Saves the whole training state as the checkpoint of ``step``.
 
@@ -60,6 +72,7 @@ def save_training_state(
         required: Whether a failed save must stop the run; default: only the final step's.
         source_state: The data cursor to record, when prompts were drawn ahead of ``step``
             (asynchronous schedules); default: the source's own.
+        peers: the run's other processes (they write their shards of a sharded layout).
 
     Returns:
         The checkpoint directory, or ``None`` when a save that was not required failed
@@ -68,54 +81,77 @@ def save_training_state(
     Raises:
         UserError: A required save failed; the message names the directory and free space.
     """
+    peers = peers or Alone()
     if required is None:
         required = step >= config.trainer.total_steps
-    bad, checked = non_finite_tensors(parts)
+    with peers.together("save", step):
+        bad, checked = non_finite_tensors(parts)
+        if bad:
+            _refuse(manager, step, bad, checked, required)
+            return None
+        told = []
+
+        def write(directory: Path) -> None:
+            peers.tell(str(directory))  # where the others write their shards
+            told.append(directory)
+            write_policy(parts, directory, writer=True)
+            write_trainer_state(parts, config, directory, writer=True)
+            info = {
+                "step": step,
+                "seed": config.trainer.seed,
+                "data": source_state if source_state is not None else parts.source.state_dict(),
+                "kl_coef": parts.kl_controller.value,  # moves under the adaptive controller
+            }
+            (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
+            (directory / CONFIG_FILE).write_text(dump_yaml(config))
+
+        try:
+            return manager.save(step, write)
+        except CheckpointSaveError as err:
+            if required:
+                raise UserError(f"{err}; free some space, then resume with --resume auto") from None
+            return None
+        finally:
+            if not told:  # the save failed before writing: the others stop waiting
+                peers.tell(None)
+
+
+def save_part(parts: Components, config: Config, receive) -> None:
+    """A rank other than 0 in a save of a sharded run: the same health check, then its
+    shards into the directory rank 0 names (``receive()``; None: no save)."""
+    bad, _ = non_finite_tensors(parts)
     if bad:
-        _refuse(manager, step, bad, checked, required)
-        return None
-
-    def write(directory: Path) -> None:
-        save_model(parts.policy, parts.tokenizer, directory)
-        trainers = {  # the policy's weights are the Hugging Face files above
-            engine.role: engine.state(
-                module=engine is not parts.trainers.policy,
-                optimizer=config.checkpoint.save_optimizer,
-            )
-            for engine in parts.trainers.all()
-        }
-        state = {"trainers": trainers, "rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        torch.save(state, directory / TRAINER_STATE)
-        info = {
-            "step": step,
-            "seed": config.trainer.seed,
-            "data": source_state if source_state is not None else parts.source.state_dict(),
-            "kl_coef": parts.kl_controller.value,  # moves under the adaptive controller
-        }
-        (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
-        (directory / CONFIG_FILE).write_text(dump_yaml(config))
-
-    try:
-        return manager.save(step, write)
-    except CheckpointSaveError as err:
-        if required:
-            raise UserError(f"{err}; free some space, then resume with --resume auto") from None
-        return None
+        return
+    directory = receive()
+    if directory is not None:
+        write_policy(parts, Path(directory), writer=False)
+        write_trainer_state(parts, config, Path(directory), writer=False)
 
 
 def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
     """Names of the trained parameters holding a NaN or an infinity (``role:name``), and the
-    number of parameters checked; one pass over the weights, a host sync per module."""
+    number of parameters checked; one pass over the weights, a host sync per module. Under a
+    sharded layout each rank checks its shards and the count is every rank's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     bad, checked = [], 0
     for engine in parts.trainers.all():
-        named = list(engine.module.named_parameters())
+        named = [
+            (name, p.to_local() if isinstance(p, DTensor) else p)
+            for name, p in engine.module.named_parameters()
+        ]
         checked += len(named)
         finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
         bad += [
             f"{engine.role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok
         ]
+    layout = parts.trainers.policy.layout
+    if layout.collective:  # every rank's shards: the count is all of theirs
+        count = torch.tensor([len(bad)])
+        dist.all_reduce(count, group=layout.group)
+        total = int(count.item())
+        bad = ((bad or ["a shard held by another rank"]) * total)[:total]
     return bad, checked
 
 
@@ -138,69 +174,14 @@ def _refuse(
         )
 
 
-def _load_weights(parts: Components, checkpoint: Path) -> None:
-    from safetensors.torch import load_file
-
-    if is_lora(parts.policy):
-        return _load_adapter(parts, checkpoint)
-    weights = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(load_file(shard, device=str(parts.device)))
-    tied = getattr(parts.policy.config, "tie_word_embeddings", False)
-    try:
-        missing, unexpected = parts.policy.load_state_dict(weights, strict=False)
-    except RuntimeError as err:  # shape mismatch: another model's checkpoint
-        first = str(err).strip().splitlines()[-1].strip()
-        raise UserError(
-            f"checkpoint {checkpoint} does not fit model.path's model ({first}); resume it "
-            "with the model.path it was trained from"
-        ) from None
-    # A tied output head is saved once, as the embedding; anything else missing is wrong.
-    missing = [k for k in missing if not (tied and k.startswith("lm_head"))]
-    if missing or unexpected or not weights:
-        raise UserError(
-            f"checkpoint {checkpoint} does not fit model.path's model (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]}); resume it with the model.path it "
-            "was trained from"
-        )
-    if tied:
-        parts.policy.tie_weights()
-
-
-def _load_adapter(parts: Components, checkpoint: Path) -> None:
-    """A LoRA run's checkpoint holds the adapters (PEFT's format); the base is model.path."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    adapter = checkpoint / "adapter_model.safetensors"
-    if not adapter.exists():
-        raise UserError(
-            f"checkpoint {checkpoint} holds no LoRA adapter (adapter_model.safetensors): it was "
-            "not trained with model.lora_rank > 0; resume it with the same model.lora_* keys"
-        )
-    weights = load_file(adapter, device=str(parts.device))
-    try:
-        result = set_peft_model_state_dict(parts.policy, weights)
-    except RuntimeError as err:  # another rank or other target modules
-        first = str(err).strip().splitlines()[-1].strip()
-        raise UserError(
-            f"checkpoint {checkpoint}'s adapters do not fit model.lora_* ({first})"
-        ) from None
-    expected = {k for k in parts.policy.state_dict() if "lora_" in k}
-    missing = [k for k in result.missing_keys if k in expected]
-    if result.unexpected_keys or missing or not weights:
-        raise UserError(
-            f"checkpoint {checkpoint}'s adapters do not fit model.lora_* (missing {missing[:3]}, "
-            f"unexpected {list(result.unexpected_keys)[:3]})"
-        )
-
-
-def load_training_state(parts: Components, checkpoint: Path) -> int:
+def load_training_state(parts: Components, checkpoint: Path, peers: Peers | None = None) -> int:
     """Restore weights, optimizer, scheduler, RNG and data cursor; return the step.
 
     The checkpoint is verified against its manifest first, so a damaged one is refused
-    (``UserError``) before any of it is loaded.
+    (``UserError``) before any of it is loaded. ``peers``: the run's other processes (they
+    read their shards of a sharded layout, and get the new weights).
     """
+    peers = peers or Alone()
     problem = verify(checkpoint)
     if problem is not None:
         raise UserError(f"checkpoint {checkpoint} is damaged ({problem}); resume from another")
@@ -209,8 +190,24 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
         state = torch.load(checkpoint / TRAINER_STATE, weights_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"checkpoint {checkpoint} cannot be read ({err})") from None
-    _load_weights(parts, checkpoint)
-    states = trainer_states(state)
+    with peers.together("load", str(checkpoint)):
+        load_engines(parts, checkpoint, state)
+    torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    parts.source.load_state_dict(info["data"])
+    parts.kl_controller.value = info.get("kl_coef", parts.kl_controller.value)
+    step = int(info["step"])
+    with peers.together("sync", step):
+        send_weights(parts, step)
+    return step
+
+
+def load_engines(parts: Components, checkpoint: Path, state: dict) -> None:
+    """The policy's weights and every trainer engine's state from ``checkpoint`` (whose
+    ``trainer_state.pt`` is ``state``); every rank of a sharded run runs it."""
+    load_policy(parts, checkpoint)
+    states = load_engine_states(parts, checkpoint, state)
     for engine in parts.trainers.all():
         if engine.role in states:
             engine.load_state(states[engine.role])
@@ -225,27 +222,9 @@ def load_training_state(parts: Components, checkpoint: Path) -> int:
             f"checkpoint {checkpoint} holds weights that are not finite ({len(bad)} tensors, "
             f"first: {bad[0]}); resume from an earlier one (honing checkpoints RUN_DIR)"
         )
-    torch.set_rng_state(state["rng"])
-    if "cuda_rng" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    parts.source.load_state_dict(info["data"])
-    parts.kl_controller.value = info.get("kl_coef", parts.kl_controller.value)
-    send_weights(parts, int(info["step"]))
-    return int(info["step"])
 
 
-def trainer_states(state: dict) -> dict[str, dict]:
-    """The trainer engines' states by role from a ``trainer_state.pt``, also from one written
-    before the states were kept by role (``scheduler``, ``optimizer``, ``critic``,
-    ``critic_optimizer`` and ``mtp`` at the top)."""
-    if "trainers" in state:
-        return state["trainers"]
-    policy = {"scheduler": state["scheduler"]}
-    if "optimizer" in state:
-        policy["optimizer"] = state["optimizer"]
-    states = {"policy": policy}
-    if "critic" in state:
-        states["critic"] = {"module": state["critic"], "optimizer": state["critic_optimizer"]}
-    if "mtp" in state:
-        states["mtp"] = {"module": state["mtp"][0], "optimizer": state["mtp"][1]}
-    return states
+def load_part(parts: Components, checkpoint: str) -> None:
+    """A rank other than 0 in a load of a sharded run: its shards of ``checkpoint``."""
+    path = Path(checkpoint)
+    load_engines(parts, path, torch.load(path / TRAINER_STATE, weights_only=True))

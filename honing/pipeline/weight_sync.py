@@ -7,6 +7,7 @@ inference servers) holds the plain model and takes a LoRA policy's adapters merg
 base weights, with the MTP heads trained here under ``MTP_PREFIX``. Either way the weights go
 as (name, tensor) pieces in the trainer engine's bounded buckets, so no whole copy of the model
 is made to send it; an engine that shares the trainer's module only learns the version.
+``send_weights`` returns the bytes it sent: the step's ``perf/sync_mb``.
 """
 
 from __future__ import annotations
@@ -35,15 +36,29 @@ def rollout_weights(parts: Components, engine: RolloutEngine) -> Iterator[tuple[
             yield from ((MTP_PREFIX + name, tensor) for name, tensor in bucket)
 
 
-def send_weights(parts: Components, version: int) -> None:
-    """Makes the engines sample from the policy's current weights as ``version``: the
-    in-process validation engine shares the module (it records the version); a training
-    engine that does not share it is sent the weights."""
-    parts.val_engine.load_weights(version)
-    if parts.engine.shares_policy:
-        parts.engine.load_weights(version)
-    else:
-        parts.engine.load_weights(version, rollout_weights(parts, parts.engine))
+def send_weights(parts: Components, version: int, remote: bool = True) -> int:
+    """Makes the engines sample from the policy's current weights as ``version``: one that
+    shares the trainer's module records the version; any other is sent the weights. Under a
+    sharded layout every rank runs this (each tensor is gathered from all of them) and each
+    loads its own in-process engines; the weights go to engines elsewhere (inference
+    servers) from rank 0 alone (``remote``), the others taking part in the gathers only."""
+    sent = 0
+
+    def counted(pieces):
+        nonlocal sent
+        for name, tensor in pieces:
+            sent += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    for engine in dict.fromkeys([parts.val_engine, parts.engine]):  # the same one once
+        if engine.shares_policy:
+            engine.load_weights(version)
+        elif engine.in_process or remote:
+            engine.load_weights(version, counted(rollout_weights(parts, engine)))
+        else:
+            for _ in rollout_weights(parts, engine):
+                pass
+    return sent
 
 
 def snapshot(parts: Components, engine: RolloutEngine) -> list[tuple[str, torch.Tensor]]:

@@ -9,13 +9,13 @@ EOS) cannot hide a token from the loss.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
 from honing.trainer.head import head_logprobs
-from honing.trainer.packed import packed_response_logprobs, packed_supported
+from honing.trainer.packed import is_sharded, packed_response_logprobs, packed_supported
 from honing.types import Rollout
 
 
@@ -64,6 +64,15 @@ class TrainBatch:
             self.behaviour_logprobs[index, :width],
             self.prompt_width,
         )
+
+    def masked_after(self, rows: int) -> TrainBatch:
+        """The batch with every row from ``rows`` on masked out of the loss (a rank's
+        padding micro-batch, run only so that every rank runs as many)."""
+        if rows >= len(self):
+            return self
+        mask = self.response_mask.clone()
+        mask[rows:] = 0.0
+        return replace(self, response_mask=mask, layouts={})
 
 
 def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> TrainBatch:
@@ -177,6 +186,8 @@ def _head_outputs(
 
 
 def _chunked_head(model, batch: TrainBatch, width: int) -> bool:
+    if is_sharded(model):
+        return False
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or head is None:

@@ -66,8 +66,8 @@ def update_critic(
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         engine.zero_grad()
-        for micro_index in engine.rows(index, settings.micro_batch_size):
-            micro = batch.select(micro_index)
+        for micro_index, real in engine.rows(index, settings.micro_batch_size):
+            micro = batch.select(micro_index).masked_after(real)
             width = micro.responses.shape[1]
             values = critic(micro)  # [b, R]
             loss, metrics = clipped_value_loss(

@@ -28,8 +28,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from honing.rollout.base import buckets
+from honing.rollout.base import BUCKET_BYTES, buckets
+from honing.trainer.sharded import local_bytes
 
 
 class TrainerEngine(Protocol):
@@ -69,6 +71,8 @@ def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in module.parameters() if p.grad is not None]
         )
+    if isinstance(norm, DTensor):  # the norm over every rank's shards
+        norm = norm.full_tensor()
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         return norm, False
@@ -95,9 +99,13 @@ class OneProcess:
     """The layout of a module held whole by this one process."""
 
     rank, world = 0, 1
+    collective = False  # its passes need no other process
 
-    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-        return torch.split(index, size)
+    def prepare(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+        return [(chunk, len(chunk)) for chunk in torch.split(index, size)]
 
     def reduce_gradients(self, module: nn.Module) -> None:
         return None
@@ -105,24 +113,41 @@ class OneProcess:
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return totals
 
+    def gathered(self, pieces):
+        return pieces
 
-class Replicated:
+    def load_whole(self, module: nn.Module, pieces) -> list[str]:
+        own, unknown = module.state_dict(), []
+        with torch.no_grad():
+            for name, whole in pieces:
+                if name in own:
+                    own[name].copy_(whole)
+                else:
+                    unknown.append(name)
+        return unknown
+
+    def rowwise(self, compute, batch, width: int) -> torch.Tensor:
+        return compute(batch)
+
+
+class Replicated(OneProcess):
     """The layout of torchrun data parallelism: the whole module on every rank of ``group``;
     rank r runs rows r, r + W, ... of each mini-batch, and the summed gradients (one
     all-reduce per optimizer step) give every rank the single-process step, so every rank
-    holds the same weights and optimizer state."""
+    holds the same weights and optimizer state. Passes without gradients run on one rank
+    alone, as in one process."""
 
     def __init__(self, group):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
-    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
         if len(index) < self.world:
             raise ValueError(
                 f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
                 "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
             )
-        return torch.split(index[self.rank :: self.world], size)
+        return [(c, len(c)) for c in torch.split(index[self.rank :: self.world], size)]
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """All-reduce (sum) every trainable parameter's gradient, as one flat buffer."""
@@ -142,9 +167,10 @@ class Replicated:
 
 class TrainedModule:
     """A ``TrainerEngine``: ``module`` with its optimizer and schedule, laid out by
-    ``layout`` (``OneProcess()`` or ``Replicated(group)``). ``serves_generation``: the rollout
-    engines sample with the module itself (the policy, the MTP heads), so offloading leaves
-    its weights in place."""
+    ``layout`` (``OneProcess()``, ``Replicated(group)`` or ``sharded.Sharded(group)``, which
+    has sharded the module before the optimizer was made). ``serves_generation``: the
+    rollout engines sample with the module itself (the policy, the MTP heads), so offloading
+    leaves its weights in place."""
 
     def __init__(
         self,
@@ -155,13 +181,15 @@ class TrainedModule:
         *,
         layout=None,
         serves_generation: bool = False,
+        bucket_bytes: int = BUCKET_BYTES,
     ):
         self.role, self.module = role, module
         self.optimizer, self.scheduler = optimizer, scheduler
         self.layout = layout or OneProcess()
         self.serves_generation = serves_generation
+        self.bucket_bytes = bucket_bytes  # the most a bucket of ``weights`` holds
 
-    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
         return self.layout.rows(index, size)
 
     def zero_grad(self) -> None:
@@ -175,16 +203,26 @@ class TrainedModule:
         return self.layout.reduce(totals)
 
     def weights(self, pieces=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The module's state in buckets: its live tensors (the receiver copies them), or
-        what ``pieces(module)`` yields (e.g. LoRA adapters merged into plain weights)."""
+        """The module's state in buckets, each tensor whole: its live tensors (the receiver
+        copies them), or what ``pieces(module)`` yields (e.g. LoRA adapters merged into
+        plain weights); a sharded module's gathered a tensor at a time."""
         source = pieces(self.module) if pieces else self.module.state_dict().items()
-        return buckets(source)
+        return buckets(self.layout.gathered(source), self.bucket_bytes)
 
-    def state(self, module: bool = True, optimizer: bool = True) -> dict[str, Any]:
+    def state(
+        self, module: bool = True, optimizer: bool = True, template: bool = False
+    ) -> dict[str, Any]:
         """Its weights (unless not ``module``: the policy's are saved apart, in Hugging Face
-        format), its optimizer's state (unless not ``optimizer``) and its schedule's."""
+        format), its optimizer's state by parameter name (unless not ``optimizer``) and its
+        schedule's; a sharded module's hold this rank's shards. An optimizer that has not
+        stepped yet gives its empty state as it is, unless ``template`` (a checkpoint is to be
+        read into it): then its state is made (zero moments, the first step counted)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         state = {"module": self.module.state_dict()} if module else {}
-        if optimizer:
+        if optimizer and (self.optimizer.state or template):
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+        elif optimizer:  # reading it by name would take a step: nothing to name yet
             state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -192,11 +230,24 @@ class TrainedModule:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Puts back what ``state`` holds (a checkpoint saved without the optimizer has
-        none: Adam's moments then start again)."""
+        none: Adam's moments then start again). Whole tensors load into a sharded module's
+        shards; an optimizer state by parameter index (older checkpoints) loads as it is."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
         if "module" in state:
-            self.module.load_state_dict(state["module"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            unknown = self.layout.load_whole(self.module, state["module"].items())
+            if unknown:
+                raise ValueError(f"the {self.role}'s saved weights do not fit it: {unknown[:3]}")
+        saved = state.get("optimizer")
+        if saved is not None and all(isinstance(k, int) for k in saved.get("state", {})):
+            self.optimizer.load_state_dict(saved)
+        elif saved is not None:
+            whole = not any(isinstance(v, DTensor) for v in _tensors(saved))
+            options = StateDictOptions(full_state_dict=whole and self.layout.collective)
+            set_optimizer_state_dict(self.module, self.optimizer, saved, options=options)
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
             # LambdaLR does not restore the optimizer's own lr: its last scheduled value.
@@ -219,3 +270,27 @@ class TrainedModule:
             moved += sum(p.numel() * p.element_size() for p in self.module.parameters())
             self.module.to(device)
         return moved
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state this process holds (a shard of
+        each, when sharded): what the strategy saves (``memory/model_state_mb``)."""
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        moments = [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if torch.is_tensor(value) and value.dim() > 0
+        ]
+        return local_bytes(params) + local_bytes(grads) + local_bytes(moments)
+
+
+def _tensors(tree) -> Iterator[torch.Tensor]:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+    elif torch.is_tensor(tree):
+        yield tree

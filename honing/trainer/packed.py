@@ -44,6 +44,8 @@ def packed_supported(model: nn.Module) -> bool | str:
     """True when the packed forward computes exactly what ``model``'s forward does (a LoRA
     wrapper included: small adapted q/k/v and gate/up enter merged into their stacked matrix,
     through which the adapters' gradients flow; the others run PEFT's own forward)."""
+    if is_sharded(model):
+        return "the model is sharded (trainer.strategy=fsdp): its layers gather their weights"
     reason = supports(model)
     if reason is not True:
         return reason
@@ -60,6 +62,15 @@ def packed_supported(model: nn.Module) -> bool | str:
     if base.lm_head.bias is not None:
         return "the LM head has a bias"
     return True
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP shards ``model``: its weights are whole only inside its own forward
+    passes, so paths that read them directly (the packed forward, the chunked head) cannot
+    run on it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _checkpointing(model: nn.Module) -> bool:

@@ -162,8 +162,8 @@ def update_policy(
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
         engine.zero_grad()
-        for micro_index in engine.rows(index, settings.micro_batch_size):
-            micro = batch.select(micro_index)
+        for micro_index, real in engine.rows(index, settings.micro_batch_size):
+            micro = batch.select(micro_index).masked_after(real)
             rows = _rows(micro_index, micro.responses.shape[1])
             contrib = micro_step(
                 model,

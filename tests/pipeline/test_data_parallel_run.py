@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from honing.backends import torchrun
+from honing.trainer.engine import OneProcess
 
 from ._configs import BASE
 
@@ -201,7 +203,8 @@ def test_a_group_the_caller_made_is_left_to_it(one_rank_group):
 def test_the_others_are_told_how_the_run_ended(joined, monkeypatch):
     stops = []
     monkeypatch.setattr(torchrun.Leader, "stop", lambda self, failed: stops.append(failed))
-    parts = type("Parts", (), {"critic": None})()
+    replicated = SimpleNamespace(layout=OneProcess())  # not sharded: the replicated ops
+    parts = SimpleNamespace(trainers=SimpleNamespace(policy=replicated))
     with torchrun.lead(joined, parts, None) as leader:
         assert leader.parts is parts
     with pytest.raises(Sent), torchrun.lead(joined, parts, None):

@@ -1,0 +1,193 @@
+"""The sharded layout of a trained module (``trainer.strategy=fsdp``): PyTorch's FSDP2.
+
+Every decoder layer is a ``fully_shard`` unit, then the whole model: each rank of the torchrun
+group holds 1/N of every parameter, of its gradient and of the optimizer's state for it, and
+gathers a unit's whole parameters only while that unit runs. Gradients are summed across
+ranks (not averaged: each rank's loss is already normalised by the whole mini-batch, as under
+``Replicated``), in the backward pass itself.
+
+Because every forward pass gathers parameters from every rank, all ranks run every pass of a
+sharded module together, each on its own rows: micro-batches come in the same number on every
+rank (a rank short of rows runs a masked copy of one), no-gradient passes gather their rows'
+results to every rank (``rowwise``), and the weights for the rollout engines are gathered one
+tensor at a time (``gathered``), every rank taking part.
+
+Mixed precision (``trainer.fsdp_param_dtype``): parameters are cast for compute, gradients
+reduced in float32. ``memory.param_offload``: parameters, gradients and the optimizer step on
+the host (FSDP2's CPU offload; CUDA only, a no-op on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from honing.errors import ConfigError
+
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a causal LM: the first ``layers`` list among its submodules
+    (``model.layers`` in Hugging Face's families; under a LoRA or value-model wrapper too);
+    ``ConfigError`` naming the class when there is none."""
+    for name, child in module.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(child, nn.ModuleList) and len(child):
+            return list(child)
+    raise ConfigError(
+        f"trainer.strategy=fsdp: {type(module).__name__} has no list of decoder layers "
+        "(a 'layers' ModuleList) to shard; use trainer.strategy=replicate for this model"
+    )
+
+
+class Sharded:
+    """The layout of FSDP2 over the torchrun ``group`` (see the module)."""
+
+    collective = True  # every pass of the module is run by every rank together
+
+    def __init__(
+        self,
+        group,
+        *,
+        reshard_after_forward: bool = True,
+        param_dtype: str = "float32",
+        param_offload: bool = False,
+    ):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = DTYPES[param_dtype]
+        self.param_offload = param_offload
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        """Shards ``module`` in place (each decoder layer, then the whole); returns it."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+
+        device = next(module.parameters()).device
+        mesh = DeviceMesh.from_group(self.group, device.type)
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=self.param_dtype, reduce_dtype=torch.float32
+            ),
+        }
+        if self.param_offload and device.type == "cuda":
+            options["offload_policy"] = CPUOffloadPolicy()
+        try:
+            for layer in decoder_layers(module):
+                fully_shard(layer, **options)
+            fully_shard(module, **options)
+        except ConfigError:
+            raise
+        except (RuntimeError, ValueError, AssertionError) as err:
+            raise ConfigError(
+                f"trainer.strategy=fsdp cannot shard {type(module).__name__}: {err}; use "
+                "trainer.strategy=replicate for this model"
+            ) from None
+        for unit in module.modules():  # each unit reduces its own gradients
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)  # summed, not averaged (see the module)
+                unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+        return module
+
+    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+        """Rows rank, rank + W, ... in micro-batches of ``size``, as many on every rank: a
+        rank with fewer rows repeats its first row, masked (the second item: real rows)."""
+        if len(index) < self.world:
+            raise ValueError(
+                f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
+                "ranks; raise trainer.mini_batch_size or use fewer ranks"
+            )
+        mine = index[self.rank :: self.world]
+        most = -(-len(index) // self.world)  # the largest share
+        padded = torch.cat([mine, mine[:1].repeat(most - len(mine))])
+        out = []
+        for start in range(0, most, size):
+            chunk = padded[start : start + size]
+            out.append((chunk, max(0, min(len(chunk), len(mine) - start))))
+        return out
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        return None  # FSDP reduced them in the backward pass
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = sorted(totals)
+        values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
+        dist.all_reduce(values, group=self.group)
+        return dict(zip(names, values, strict=True))
+
+    def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
+        """Each piece whole, gathered from every rank as its turn comes (every rank takes
+        part and gets it); a tensor tied to one already given is not given again."""
+        seen = set()
+        for name, tensor in pieces:
+            if isinstance(tensor, DTensor):
+                local = tensor.to_local()
+                storage = (local.untyped_storage().data_ptr(), local.storage_offset())
+                if storage in seen:  # tied to a weight already given (embeddings, head)
+                    continue
+                seen.add(storage)
+                tensor = tensor.full_tensor()
+            yield name, tensor
+
+    def load_whole(self, module: nn.Module, pieces: Iterable[tuple[str, torch.Tensor]]):
+        """Copies whole tensors into the module's shards, one at a time (every rank reads
+        the same pieces and keeps its own part); returns the names it did not have."""
+        own = module.state_dict()
+        unknown = []
+        with torch.no_grad():
+            for name, whole in pieces:
+                target = own.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                if isinstance(whole, DTensor):  # a shard already (read from shards)
+                    if whole is not target:
+                        target.to_local().copy_(whole.to_local())
+                    continue
+                whole = whole.to(device=target.device, dtype=target.dtype)
+                if isinstance(target, DTensor):
+                    part = distribute_tensor(
+                        whole, target.device_mesh, target.placements, src_data_rank=None
+                    )
+                    target.to_local().copy_(part.to_local())
+                else:
+                    target.copy_(whole)
+        return unknown
+
+    def rowwise(self, compute: Callable, batch, width: int) -> torch.Tensor:
+        """``compute(rows)`` of this rank's rows, every rank's results gathered into the
+        whole batch's [B, width] tensor on every rank."""
+        count = len(batch)
+        index = torch.arange(count)
+        [(mine, real)] = self.rows(index, max(-(-count // self.world), 1))
+        local = compute(batch.select(mine))  # [b, w <= width]
+        padded = torch.zeros(len(mine), width, dtype=local.dtype, device=local.device)
+        padded[:, : local.shape[1]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        out = torch.zeros(count, width, dtype=local.dtype, device=local.device)
+        for rank, part in enumerate(parts):
+            rows = index[rank :: self.world]
+            out[rows] = part[: len(rows)]
+        return out
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's part of each tensor (a shard's, for a sharded one)."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total

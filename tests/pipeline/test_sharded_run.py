@@ -1,0 +1,157 @@
+"""``trainer.strategy=fsdp``: two CPU ranks (gloo) shard the policy, the critic, the reference
+and LoRA adapters with FSDP2 and train what one process trains; checkpoints export the whole
+policy in Hugging Face format and resume at another world size and under the other strategy."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from honing.config import build_config
+from honing.errors import ConfigError
+from honing.pipeline import checkpoint_files
+from honing.pipeline.rules import check_config
+from honing.trainer.sharded import decoder_layers
+
+from ._configs import BASE
+from .test_data_parallel_run import OVERRIDES, assert_same_moves, initial_weights
+
+ONE_PROCESS_SAMPLING = {"pipeline.spread_generation": False, "checkpoint.every": 1}
+PPO = {"algorithm.advantage": "gae", "trainer.critic_warmup_steps": 1, "trainer.mini_batch_size": 2}
+LORA = {"model.lora_rank": 4, "model.lora_target_modules": "[q_proj,v_proj]"}
+
+
+def run(tmp_path, name, model_dir, reward, ranks, steps, strategy="fsdp", **overrides):
+    """``honing train`` on ``ranks`` torchrun ranks (1: one plain process); the metrics of
+    steps >= 1 and the policy's weights of the last checkpoint."""
+    values = OVERRIDES | ONE_PROCESS_SAMPLING | overrides
+    values |= {"model.path": model_dir, "reward.function": reward, "trainer.total_steps": steps}
+    values["trainer.strategy"] = strategy
+    command = ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
+    command += ["--output-dir", str(tmp_path / name)]
+    if ranks > 1:
+        command = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
+        command += ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
+        command += ["--output-dir", str(tmp_path / name)]
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    checkpoint = tmp_path / name / "checkpoints" / f"step_{steps}"
+    weights = {}
+    for shard in checkpoint.glob("*.safetensors"):
+        weights |= load_file(shard)
+    return [m for m in map(json.loads, lines) if m["step"] >= 1], weights, result.stderr
+
+
+def _tied(weights: dict) -> dict:
+    """A tied head is the embedding: compare it once (exports differ in whether they list it)."""
+    return {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [{}, PPO, LORA], ids=["grpo", "ppo-critic", "lora"])
+def test_two_sharded_ranks_train_what_one_process_does(
+    tmp_path, micro_model_dir, digit_reward, variant
+):
+    args = (micro_model_dir, digit_reward)
+    kl = {} if variant is LORA else {"algorithm.kl_coef": 0.05}  # a sharded reference too
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **variant | kl)
+    two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, **variant | kl)
+    assert one[0]["critic/score/mean"] == two[0]["critic/score/mean"]  # the same samples
+    assert one[1]["critic/score/mean"] == two[1]["critic/score/mean"]
+    assert _tied(one_weights).keys() <= two_weights.keys()
+    for name, want in _tied(one_weights).items():
+        torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=0)
+    assert [m["dist/world_size"] for m in two] == [2.0, 2.0]
+    assert [m["dist/strategy"] for m in one + two] == [0.0, 0.0, 2.0, 2.0]
+    # each rank holds its half of the parameters, gradients and optimizer state
+    assert two[-1]["memory/model_state_mb"] <= 0.55 * one[-1]["memory/model_state_mb"]
+    assert two[-1]["perf/sync_mb"] > 0  # the engine's own copy took the gathered weights
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_at_any_world_size_and_strategy(tmp_path, micro_model_dir, digit_reward):
+    """One run, each step on another world size or strategy: 1 -> 2 sharded -> 1 -> 3
+    sharded -> 2 replicated ranks; it ends where an uninterrupted process does."""
+    args = (micro_model_dir, digit_reward)
+    _, whole, _ = run(tmp_path, "whole", *args, 1, 5, strategy="replicate", **PPO)
+    hops = [(1, "replicate"), (2, "fsdp"), (1, "fsdp"), (3, "fsdp"), (2, "replicate")]
+    for step, (ranks, strategy) in enumerate(hops, start=1):
+        trained, weights, _ = run(tmp_path, "hops", *args, ranks, step, strategy=strategy, **PPO)
+    assert [m["step"] for m in trained] == [1, 2, 3, 4, 5]
+    assert_same_moves(_tied(weights), _tied(whole), initial_weights(micro_model_dir))
+
+
+def test_a_sharded_export_is_a_hugging_face_model_in_several_files(
+    tmp_path, micro_model_dir, monkeypatch
+):
+    """The export writer streams tensors into files of at most MAX_SHARD_BYTES with
+    Hugging Face's index; ``from_pretrained`` loads them as the model they came from."""
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir)
+    monkeypatch.setattr(checkpoint_files, "MAX_SHARD_BYTES", 40_000)
+    checkpoint_files.write_weight_files(model.state_dict().items(), tmp_path, writer=True)
+    model.config.save_pretrained(tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_rank_that_writes_nothing_still_takes_every_piece(tmp_path):
+    """Gathering a piece is collective: every rank consumes them all, rank 0 alone writes."""
+    taken = []
+    pieces = ((name, torch.zeros(3)) for name in ("a", "b") if not taken.append(name))
+    checkpoint_files.write_weight_files(pieces, tmp_path, writer=False)
+    assert taken == ["a", "b"] and not list(tmp_path.iterdir())
+
+
+def test_a_model_without_decoder_layers_cannot_be_sharded():
+    with pytest.raises(ConfigError, match="Linear has no list of decoder layers .*=replicate"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"rollout.speculative": "mtp"}, "rollout.speculative=mtp is not supported with"),
+        ({"schedule.mode": "async"}, "schedule.mode=async is not supported with"),
+        ({"memory.dynamic_offload": True}, "memory.dynamic_offload"),
+    ],
+)
+def test_what_sharding_does_not_take_yet_is_one_line(override, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(build_config(BASE | {"trainer.strategy": "fsdp"} | override))
+
+
+def test_offload_keys_need_the_sharded_strategy():
+    with pytest.raises(ConfigError, match="memory.param_offload applies to trainer.strategy=fsdp"):
+        check_config(build_config({"memory.param_offload": True}))
+
+
+def test_fsdp_without_torchrun_trains_as_one_process_and_says_so(
+    tmp_path, micro_model_dir, digit_reward
+):
+    _, _, stderr = run(tmp_path, "alone", micro_model_dir, digit_reward, 1, 1)
+    said = [line for line in stderr.splitlines() if "trainer.strategy=fsdp" in line]
+    assert said == ["trainer.strategy=fsdp: one process (not launched by torchrun): trains whole"]
+
+
+def test_ranks_launched_with_different_configs_fail_at_once(tmp_path, micro_model_dir):
+    """Each rank reads its own top_k from the environment torchrun gives it."""
+    train = f"{sys.executable} -m honing.cli train model.path={micro_model_dir}"
+    script = f"exec {train} rollout.top_k=$RANK --output-dir {tmp_path / 'run'}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--standalone", "--no-python", "sh", "-c", script]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and time.monotonic() - started < 60
+    said = "honing: error: rank 1 was launched with another config than rank 0 (differs in: "
+    assert result.stderr.count(said + "rollout.top_k)") == 2  # one line on every rank
