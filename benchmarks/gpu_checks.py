@@ -12,7 +12,9 @@ On a random ~0.5B Qwen2 configuration (Qwen2-0.5B's shape: hidden 896, 24 layers
 3. training tokens/s and model-FLOPs utilisation of one update (64 sequences x 512 tokens,
    micro-batches of 8, float32 master weights with bf16 autocast): MFU = 6 N tokens/s / peak;
 4. peak device memory of one full training step (generation, then the update) with and
-   without ``memory.dynamic_offload`` (threshold forced low so that it acts).
+   without ``memory.dynamic_offload`` (threshold forced low so that it acts), and under
+   ``trainer.strategy=fsdp`` with ``memory.param_offload`` on the one device (FSDP2 over a
+   group of one, parameters and optimizer step on the host), with its step time.
 
 Writes benchmarks/results/gpu_checks.{json,md}. ``--size tiny --device cpu`` runs the same
 code paths in seconds on a CPU (what the test suite does, so the script does not rot).
@@ -162,7 +164,9 @@ def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: floa
     }
 
 
-def full_step_memory(model_dir: Path, device: torch.device, size: str, offload: bool) -> dict:
+def full_step_memory(
+    model_dir: Path, device: torch.device, size: str, offload: bool, extra: dict | None = None
+) -> dict:
     from honing.backends.launch import train
     from honing.config import build_config
 
@@ -188,6 +192,7 @@ def full_step_memory(model_dir: Path, device: torch.device, size: str, offload: 
             "memory.offload_trigger_threshold": 0.001,
             "reward.function": "numeric",
         }
+        | (extra or {})
     )
     with tempfile.TemporaryDirectory() as run_dir:
         train(config, Path(run_dir) / "run", resume="never", log=lambda m: None)
@@ -202,6 +207,7 @@ def full_step_memory(model_dir: Path, device: torch.device, size: str, offload: 
             "timing_s/offload",
             "timing_s/reload",
             "timing_s/step",
+            "memory/model_state_mb",
         )
     }
 
@@ -246,9 +252,12 @@ def main() -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        sharded = {"trainer.strategy": "fsdp", "memory.param_offload": True}
         record["full_step_memory"] = {
             "offload_off": full_step_memory(model_dir, device, args.size, False),
             "offload_on": full_step_memory(model_dir, device, args.size, True),
+            # FSDP2 over one device with its parameters on the host (CPU: trains whole)
+            "fsdp_param_offload": full_step_memory(model_dir, device, args.size, False, sharded),
         }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,6 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
         from honing.backends.ray_run import train_on_ray  # ray is imported only for Ray runs
 
         return train_on_ray(config, run_dir, resume)
-    if world_size > 1:
+    if world_size > 1 or torchrun.offloads_alone(config):
         return torchrun.train_ranks(config, run_dir, resume, log)
     return train_here(config, run_dir, resume, log)

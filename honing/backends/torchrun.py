@@ -55,18 +55,46 @@ def world() -> tuple[int, int]:
 _JOINED = []  # the group ``init`` created (a caller's own group is left to the caller)
 
 
-def init(device: torch.device):
-    """Joins the process group when launched with several ranks; returns it (or None)."""
+def init(device: torch.device, alone: bool = False):
+    """Joins the process group when launched with several ranks; returns it (or None). With
+    ``alone``, one process makes a group of its own (FSDP's offload on one device)."""
     rank, size = world()
-    if size <= 1:
+    if size <= 1 and not alone:
         return None
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method="env://", timeout=TIMEOUT)
+        store = dist.HashStore() if size <= 1 else _attempt_store(rank, size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT)
         _JOINED.append(dist.group.WORLD)
     return dist.group.WORLD
+
+
+def _attempt_store(rank: int, size: int):
+    """torchrun's store (MASTER_ADDR:MASTER_PORT; its agent's when it keeps one), under a
+    prefix of its own per restart: after ``--max-restarts`` brings the ranks back, none may
+    read an address the dead ones left there."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=size,
+        is_master=not agent and rank == 0,
+        timeout=TIMEOUT,
+        multi_tenant=not agent,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"honing/attempt_{attempt}", store)
+
+
+def offloads_alone(config: Config) -> bool:
+    """Sharding on one CUDA device with ``memory.param_offload``: FSDP over a group of one
+    keeps the parameters on the host (a model larger than the device trains there)."""
+    from honing.models.loading import resolve_device
+
+    wanted = config.trainer.strategy == "fsdp" and config.memory.param_offload
+    return wanted and resolve_device(config.model.device).type == "cuda"
 
 
 def leave(group, wait: bool) -> None:
@@ -89,7 +117,7 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
     prepared = prepare(config, run_dir, resume) if rank == 0 else None
     configure_host(config.trainer.threads)
     torch.manual_seed(config.trainer.seed)
-    group = init(resolve_device(config.model.device))
+    group = init(resolve_device(config.model.device), alone=offloads_alone(config))
     parts = None
     try:
         check_same_config(config, group)

@@ -269,6 +269,7 @@ def policy_trainer(config: Config, policy, layout) -> TrainedModule:
         layout=layout,
         serves_generation=True,
         bucket_bytes=config.rollout.weight_bucket_mb << 20,
+        optimizer_offload=config.memory.optimizer_offload,
     )
 
 
@@ -288,7 +289,13 @@ def critic_trainer(config: Config, model_path: Path, tokenizer, device, layout):
     optimizer = torch.optim.AdamW(
         critic.parameters(), lr=config.trainer.critic_lr, weight_decay=config.trainer.weight_decay
     )
-    return TrainedModule("critic", critic, optimizer, layout=layout)
+    return TrainedModule(
+        "critic",
+        critic,
+        optimizer,
+        layout=layout,
+        optimizer_offload=config.memory.optimizer_offload,
+    )
 
 
 def mtp_trainer(config: Config, local: TransformersEngine):

@@ -88,10 +88,11 @@ def move_optimizer_state(optimizer, device: torch.device) -> int:
     for state in optimizer.state.values():
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=not pin)
-                if pin:
+                whole = not isinstance(value, DTensor)  # a shard moves as its DTensor
+                state[key] = value.to(device, non_blocking=not (pin and whole))
+                if pin and whole:
                     state[key] = state[key].pin_memory()
-                moved += value.numel() * value.element_size()
+                moved += local_bytes([value])
     return moved
 
 
@@ -182,12 +183,17 @@ class TrainedModule:
         layout=None,
         serves_generation: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
+        optimizer_offload: bool = False,
     ):
         self.role, self.module = role, module
         self.optimizer, self.scheduler = optimizer, scheduler
         self.layout = layout or OneProcess()
         self.serves_generation = serves_generation
         self.bucket_bytes = bucket_bytes  # the most a bucket of ``weights`` holds
+        # memory.optimizer_offload on CUDA: the optimizer's state lives on the host between
+        # steps and visits the device for each one
+        device = next(module.parameters()).device
+        self.optimizer_offload = optimizer_offload and device.type == "cuda"
 
     def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
         return self.layout.rows(index, size)
@@ -197,7 +203,14 @@ class TrainedModule:
 
     def step(self, grad_clip: float) -> tuple[torch.Tensor, bool]:
         self.layout.reduce_gradients(self.module)
-        return clip_and_step(self.module, self.optimizer, grad_clip)
+        if not self.optimizer_offload:
+            return clip_and_step(self.module, self.optimizer, grad_clip)
+        device = next(self.module.parameters()).device
+        move_optimizer_state(self.optimizer, device)
+        try:
+            return clip_and_step(self.module, self.optimizer, grad_clip)
+        finally:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
 
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.layout.reduce(totals)

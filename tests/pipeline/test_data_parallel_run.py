@@ -175,9 +175,11 @@ def one_rank_group():
 
 @pytest.fixture
 def joined(monkeypatch):
-    """The group ``init`` joins under torchrun; one rank here (env:// would wait for two)."""
+    """The group ``init`` joins under torchrun; one rank here (torchrun's store would wait
+    for two)."""
     make = dist.init_process_group
     monkeypatch.setattr(torchrun, "world", lambda: (0, 2))
+    monkeypatch.setattr(torchrun, "_attempt_store", lambda rank, size: dist.HashStore())
     monkeypatch.setattr(
         dist,
         "init_process_group",

@@ -155,3 +155,39 @@ def test_ranks_launched_with_different_configs_fail_at_once(tmp_path, micro_mode
     assert result.returncode != 0 and time.monotonic() - started < 60
     said = "honing: error: rank 1 was launched with another config than rank 0 (differs in: "
     assert result.stderr.count(said + "rollout.top_k)") == 2  # one line on every rank
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, micro_model_dir, digit_reward):
+    """SIGKILL to rank 1 after the first checkpoint, under ``torchrun --max-restarts 1``: both
+    ranks start again, resume from the newest verified checkpoint, and end where a run that
+    was never killed does."""
+    import psutil
+
+    args = (micro_model_dir, digit_reward)
+    _, whole, _ = run(tmp_path, "whole", *args, 2, 3)
+    values = OVERRIDES | ONE_PROCESS_SAMPLING | {"trainer.strategy": "fsdp"}
+    values |= {"model.path": micro_model_dir, "reward.function": digit_reward}
+    values["trainer.total_steps"] = 3
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--standalone", "--max-restarts", "1", "-m", "honing.cli", "train"]
+    command += [*(f"{k}={v}" for k, v in values.items()), "--output-dir", str(tmp_path / "run")]
+    log = (tmp_path / "torchrun.log").open("w")  # a pipe left unread would fill and block them
+    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    first = tmp_path / "run" / "checkpoints" / "step_1" / "COMPLETE"
+    deadline = time.monotonic() + 120
+    while not first.exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+        time.sleep(0.05)
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)]
+    [victim] = [p for p in ranks if p.environ().get("RANK") == "1"]
+    victim.kill()
+    launcher.wait(timeout=240)
+    log.close()
+    assert launcher.returncode == 0, (tmp_path / "torchrun.log").read_text()[-6000:]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    resumed = [e["step"] for e in events if e["kind"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0] >= 1
+    weights = load_file(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors")
+    for name, want in whole.items():
+        torch.testing.assert_close(weights[name], want, atol=1e-6, rtol=1e-5)
