@@ -96,6 +96,18 @@ def move_optimizer_state(optimizer, device: torch.device) -> int:
     return moved
 
 
+def copy_whole(module: nn.Module, pieces) -> list[str]:
+    """Copies whole tensors into a whole module by name; returns the names it lacks."""
+    own, unknown = module.state_dict(), []
+    with torch.no_grad():
+        for name, whole in pieces:
+            if name in own:
+                own[name].copy_(whole)
+            else:
+                unknown.append(name)
+    return unknown
+
+
 class OneProcess:
     """The layout of a module held whole by this one process."""
 
@@ -115,32 +127,39 @@ class OneProcess:
         return totals
 
     def gathered(self, pieces):
-        return pieces
+        return pieces  # whole already
 
     def load_whole(self, module: nn.Module, pieces) -> list[str]:
-        own, unknown = module.state_dict(), []
-        with torch.no_grad():
-            for name, whole in pieces:
-                if name in own:
-                    own[name].copy_(whole)
-                else:
-                    unknown.append(name)
-        return unknown
+        return copy_whole(module, pieces)
 
     def rowwise(self, compute, batch, width: int) -> torch.Tensor:
         return compute(batch)
 
 
-class Replicated(OneProcess):
+class Replicated:
     """The layout of torchrun data parallelism: the whole module on every rank of ``group``;
     rank r runs rows r, r + W, ... of each mini-batch, and the summed gradients (one
     all-reduce per optimizer step) give every rank the single-process step, so every rank
     holds the same weights and optimizer state. Passes without gradients run on one rank
     alone, as in one process."""
 
+    collective = False
+
     def __init__(self, group):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def gathered(self, pieces):
+        return pieces  # whole already
+
+    def load_whole(self, module: nn.Module, pieces) -> list[str]:
+        return copy_whole(module, pieces)
+
+    def rowwise(self, compute, batch, width: int) -> torch.Tensor:
+        return compute(batch)  # this rank alone
 
     def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
         if len(index) < self.world:
