@@ -48,6 +48,10 @@ class Rollout:
         weight_version: the policy version (trainer step) whose weights produced it.
         text: decoded response without special tokens.
         gen_seconds: wall time of the generate call this rollout came from.
+        routed_experts: for a mixture-of-experts policy, the experts its routers chose for
+            each input token (the prompt's, then every response token but the last) in each
+            MoE layer: a [prompt + response - 1, layers, top_k] int8 (int16 past 127
+            experts) torch tensor; None for a dense policy or an engine that reports none.
     """
 
     prompt_id: str
@@ -59,6 +63,7 @@ class Rollout:
     weight_version: int
     text: str
     gen_seconds: float = 0.0
+    routed_experts: Any = None
 
 
 @dataclass

@@ -40,7 +40,8 @@ def _opt(
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = _opt("builtin:tiny")  # a local Hugging Face model directory, or builtin:tiny
+    # a local Hugging Face model directory, or builtin:tiny (or builtin:tiny-moe: 8 experts)
+    path: str = _opt("builtin:tiny")
     dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
     cache_dir: str = _opt("")  # where builtin:tiny is built; default ~/.cache/honing
@@ -162,6 +163,11 @@ class AlgorithmConfig:
     # version), none under sync
     tis_level: str = _opt("auto", choices=("auto", "none", "token", "sequence"))
     tis_cap: float = _opt(2.0, gt=0.0)
+    # Mixture-of-experts policies (docs/moe.md). Routing replay: the trainer's forward passes
+    # use the experts the rollout engine chose (R3) or its own first pass chose (R2)
+    routing_replay: str = _opt("off", choices=("off", "R2", "R3"))
+    router_aux_coef: float = _opt(0.0, ge=0.0)  # the family's load-balancing loss
+    router_z_coef: float = _opt(0.0, ge=0.0)  # the router z-loss (ST-MoE)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
         elif kind is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
+            if value is False and "off" in (f.metadata.get("choices") or ()):
+                value = "off"  # YAML 1.1 reads a bare off as false
             value = "" if value is None else str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None

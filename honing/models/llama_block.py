@@ -9,11 +9,17 @@ that HF spells in its own way: RMSNorm in float32, the rotary tables and ``rotat
 They also share how projections reading one input are run (``projection`` / ``project``):
 stacked into one matmul while small, on their own weights when big.
 
-What qualifies: the transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and
-``MistralForCausalLM`` classes (not ``trust_remote_code`` ones) whose blocks are exactly
-RMSNorm -> GQA attention (plain ``nn.Linear`` q/k/v/o with or without bias) with the default
-rotary embedding -> RMSNorm -> SiLU-gated MLP, in float32, bfloat16 or float16, with no
-sliding window and no rope scaling. Quantised layers are not ``nn.Linear`` and so fall back.
+What qualifies: the transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``MistralForCausalLM`` and ``Qwen3ForCausalLM`` classes and the mixture-of-experts
+``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM`` and ``MixtralForCausalLM`` (not
+``trust_remote_code`` ones) whose blocks are exactly RMSNorm -> GQA attention (plain
+``nn.Linear`` q/k/v/o with or without bias, Qwen3's per-head RMSNorm of q and k) with the
+default rotary embedding -> RMSNorm -> a SiLU-gated MLP or a top-k routed MoE block, in
+float32, bfloat16 or float16, with no sliding window and no rope scaling. An MoE block runs
+as the model's own module (its router, then its experts as grouped matrix products, shared
+experts included), so its routers' hooks (``honing.models.moe``) see the lean paths too.
+Quantised layers are not ``nn.Linear`` and so fall back; so do OLMoE (q/k norms over all
+heads) and DeepSeek-V3 (multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -24,12 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from honing.models.moe import is_moe_block
+
 # transformers class name -> model_type; all three share the Llama decoder block.
 SUPPORTED_CLASSES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Attention children beyond q/k/v/o a block may have: Qwen3's per-head norms of q and k.
+HEAD_NORMS = {"q_norm", "k_norm"}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,7 +80,9 @@ def supports(model: nn.Module) -> bool | str:
     rotary = model.model.rotary_emb
     if rotary.rope_type != "default" or rotary.attention_scaling != 1.0:
         return f"rope type {rotary.rope_type!r} is not the default"
-    if getattr(config, "sliding_window", None) is not None:
+    if getattr(config, "sliding_window", None) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    ):
         return f"sliding window attention ({config.sliding_window})"
     dtype = model.model.embed_tokens.weight.dtype
     if dtype not in SUPPORTED_DTYPES:
@@ -76,17 +92,47 @@ def supports(model: nn.Module) -> bool | str:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not is_moe_block(mlp):
+            linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(_plain_or_lora(linear) for linear in linears):
             return "a projection is not nn.Linear or a LoRA layer on one (quantised?)"
-        if set(dict(layer.named_children())) != {
-            "self_attn",
-            "mlp",
-            "input_layernorm",
-            "post_attention_layernorm",
-        } or set(dict(attn.named_children())) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+        extra = set(dict(attn.named_children())) - {"q_proj", "k_proj", "v_proj", "o_proj"}
+        if (
+            set(dict(layer.named_children()))
+            != {
+                "self_attn",
+                "mlp",
+                "input_layernorm",
+                "post_attention_layernorm",
+            }
+            or extra - HEAD_NORMS
+        ):
             return "a decoder layer has modules beyond the Llama block"
+        if extra and (extra != HEAD_NORMS or attn.q_norm.weight.shape[-1] != attn.head_dim):
+            return "q/k norms that are not per head"
     return True
+
+
+def head_norms(attn: nn.Module) -> tuple[Norm, Norm] | None:
+    """Qwen3's per-head RMSNorms of the queries and keys, or None (Llama)."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    return norm_of(attn.q_norm), norm_of(attn.k_norm)
+
+
+def norm_heads(qkv: torch.Tensor, heads: int, kv_heads: int, norms) -> torch.Tensor:
+    """``qkv`` [..., H + 2 Hkv, D] with the query heads and the key heads normed by ``norms``
+    (``head_norms``; None: as it is)."""
+    if norms is None:
+        return qkv
+    q, k, v = qkv.split([heads, kv_heads, qkv.shape[-2] - heads - kv_heads], dim=-2)
+    return torch.cat([rms_norm(q, norms[0]), rms_norm(k, norms[1]), v], dim=-2)
+
+
+def moe_forward(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """An MoE block (the model's own module) on hidden states ``h`` [..., E] of any shape
+    (the blocks take [B, T, E])."""
+    return block(h.reshape(1, -1, h.shape[-1])).view(h.shape)
 
 
 def adapted_weight(layer: nn.Module) -> torch.Tensor:

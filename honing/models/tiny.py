@@ -1,10 +1,12 @@
 """The embedded tiny model: built locally, offline, in standard Hugging Face format.
 
 A character-level tokenizer (printable ASCII, one token per character, ``<pad>`` distinct from
-``<eos>``) and a ~0.9M-parameter Llama are created from a seed, then given a short supervised
-warm start on (prompt, completion) pairs supplied by the caller, so that RL has something to
-improve. The result is an ordinary model directory (``config.json``, ``model.safetensors``,
-``tokenizer.json``) that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+``<eos>``) and a ~0.9M-parameter Llama (``builtin:tiny``) or a ~2.7M-parameter Qwen3-MoE with
+8 experts, 2 per token (``builtin:tiny-moe``, ``TinySpec.experts``) are created from a seed,
+then given a short supervised warm start on (prompt, completion) pairs supplied by the
+caller, so that RL has something to improve. The result is an ordinary model directory
+(``config.json``, ``model.safetensors``, ``tokenizer.json``) that ``AutoModelForCausalLM``
+and ``AutoTokenizer`` load.
 
 The directory is cached under a key derived from every build setting and the corpus, so a
 second build with the same inputs is a no-op. It is written to a temporary name and renamed,
@@ -40,6 +42,13 @@ class TinySpec:
     warmstart_batch: int = 128
     warmstart_lr: float = 3e-3
     seed: int = 0
+    experts: int = 0  # > 0: a Qwen3-MoE with this many experts in every layer
+    experts_per_token: int = 2
+    expert_size: int = 192  # each expert's intermediate size
+
+
+TINY = TinySpec()  # builtin:tiny
+TINY_MOE = TinySpec(experts=8)  # builtin:tiny-moe
 
 
 def build_tokenizer():
@@ -65,8 +74,29 @@ def build_tokenizer():
 
 
 def _new_model(spec: TinySpec, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if spec.experts:
+        config = Qwen3MoeConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.expert_size,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            norm_topk_prob=True,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_heads,
+            head_dim=spec.hidden_size // spec.num_heads,
+            max_position_embeddings=spec.max_positions,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
+        torch.manual_seed(spec.seed)
+        return Qwen3MoeForCausalLM(config)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -133,7 +163,11 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
 
 
 def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
-    digest = hashlib.sha256(json.dumps([asdict(spec), corpus]).encode())
+    settings = asdict(spec)
+    if not spec.experts:  # the dense model's key predates the MoE settings
+        for key in ("experts", "experts_per_token", "expert_size"):
+            settings.pop(key)
+    digest = hashlib.sha256(json.dumps([settings, corpus]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -141,7 +175,8 @@ def build_tiny_model(
     cache_dir: str | Path, corpus: list[tuple[str, str]], spec: TinySpec = TinySpec(), log=print
 ) -> Path:
     """Return the directory of the warm-started tiny model, building it if not cached."""
-    target = Path(cache_dir) / f"tiny-{cache_key(spec, corpus)}"
+    name = "tiny-moe" if spec.experts else "tiny"
+    target = Path(cache_dir) / f"{name}-{cache_key(spec, corpus)}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +188,7 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     model = _new_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"building the tiny model ({n_params / 1e6:.2f}M parameters) with a warm start ...")
+    log(f"building the {name} model ({n_params / 1e6:.2f}M parameters) with a warm start ...")
     losses = warm_start(model, tokenizer, corpus, spec)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-", dir=target.parent))
     try:
@@ -165,5 +200,5 @@ def build_tiny_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"tiny model ready in {time.perf_counter() - started:.0f}s: {target}")
+    log(f"{name} model ready in {time.perf_counter() - started:.0f}s: {target}")
     return target

@@ -27,13 +27,14 @@ from honing.models.loading import (
     load_tokenizer,
     resolve_device,
 )
-from honing.models.tiny import TinySpec, build_tiny_model
+from honing.models.tiny import TINY, TINY_MOE, TinySpec, build_tiny_model
 from honing.pipeline.inputs import (
     build_scorer,
     check_ground_truths,
     load_datasets,
     tokenize_prompts,
 )
+from honing.pipeline.rules import check_policy_routing
 from honing.rewards import Scorer
 from honing.rollout.base import RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
@@ -46,6 +47,7 @@ from honing.trainer.update import UpdateSettings
 from honing.types import Prompt
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_TINY_MOE = "builtin:tiny-moe"
 # The embedded model's warm start: problems, operand size and the teacher's carry-slip rate.
 TINY_CORPUS_SIZE = 20000
 TINY_MAX_DIGITS = 2
@@ -107,21 +109,24 @@ def cache_dir(config: Config) -> Path:
 
 
 def resolve_model_path(config: Config, log=print) -> Path:
-    """A local model directory; ``builtin:tiny`` is built (or found in the cache) first."""
-    if config.model.path == BUILTIN_TINY:
-        return builtin_tiny_model(cache_dir(config), log=log)
+    """A local model directory; ``builtin:tiny`` and ``builtin:tiny-moe`` are built (or found
+    in the cache) first."""
+    if config.model.path in (BUILTIN_TINY, BUILTIN_TINY_MOE):
+        spec = TINY_MOE if config.model.path == BUILTIN_TINY_MOE else TINY
+        return builtin_tiny_model(cache_dir(config), log=log, spec=spec)
     return check_model_dir(config.model.path)
 
 
-def builtin_tiny_model(directory: Path, log=print) -> Path:
-    """The embedded model, warm-started on the arithmetic task's sloppy-teacher corpus.
+def builtin_tiny_model(directory: Path, log=print, spec: TinySpec = TINY) -> Path:
+    """The embedded model (``spec``: the dense one, or ``TINY_MOE``), warm-started on the
+    arithmetic task's sloppy-teacher corpus.
 
     The warm start uses training pairs only; held-out validation pairs never appear in it.
     """
     corpus = warmstart_corpus(
         TINY_CORPUS_SIZE, seed=0, max_digits=TINY_MAX_DIGITS, slip_rate=TINY_SLIP_RATE
     )
-    return build_tiny_model(directory, corpus, TinySpec(), log=log)
+    return build_tiny_model(directory, corpus, spec, log=log)
 
 
 def update_settings(config: Config) -> UpdateSettings:
@@ -143,6 +148,8 @@ def update_settings(config: Config) -> UpdateSettings:
         loss_scale_len=config.rollout.max_new_tokens,
         autocast=trainer.autocast,
         packed=trainer.packed_forward,
+        router_aux_coef=algo.router_aux_coef,
+        router_z_coef=algo.router_z_coef,
     )
 
 
@@ -172,6 +179,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
     if m.gradient_checkpointing:  # transformers 5 renamed it; the old name warns (gone in 6)
         enable = getattr(policy, "activation_checkpointing_enable", None)
         (enable or policy.gradient_checkpointing_enable)()
+    check_policy_routing(config, policy)
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
         if rollout.engine != "transformers" or config.pipeline.backend == "ray":

@@ -24,7 +24,7 @@ from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
-from honing.trainer.batch import TrainBatch, collate, response_logprobs
+from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
 from honing.trainer.update import autocast
 from honing.types import Rollout
 
@@ -73,6 +73,7 @@ class Passes:
     reference: bool  # the reference's logprobs (KL)
     values: bool  # the critic's values (gae)
     old: bool  # the policy's own logprobs before the update
+    record_routing: bool = False  # routing replay R2: keep the old pass's experts
 
 
 def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict:
@@ -81,12 +82,12 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
     update, policy = parts.update, parts.trainers.policy
     width = batch.responses.shape[1]
 
-    def logprobs_of(model):
+    def logprobs_of(model, tap=None):
         return lambda rows: response_logprobs(
-            model, rows, temperature=update.temperature, packed=update.packed
+            model, rows, temperature=update.temperature, packed=update.packed, tap=tap
         )[0]
 
-    out: dict = {"ref": None, "values": None, "old": None, "metrics": {}}
+    out: dict = {"ref": None, "values": None, "old": None, "replay": None, "metrics": {}}
     with torch.no_grad(), autocast(update.autocast, parts.device):
         if wanted.reference:
             started = time.perf_counter()
@@ -101,7 +102,9 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
             out["values"] = critic.layout.rowwise(critic.module, batch, width)
         if wanted.old:
             started = time.perf_counter()
-            out["old"] = policy.layout.rowwise(logprobs_of(policy.module), batch, width)
+            tap = RouterTap(record=True) if wanted.record_routing else None
+            out["old"] = policy.layout.rowwise(logprobs_of(policy.module, tap), batch, width)
+            out["replay"] = tap.recorded if tap else None  # R2: the update passes replay it
             out["metrics"]["timing_s/old"] = time.perf_counter() - started
     return out
 
@@ -119,13 +122,23 @@ def make_experience(
     algo = config.algorithm
     batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
     mask = batch.response_mask
+    if algo.routing_replay == "R3":  # every pass routes as the rollout did
+        if batch.rollout_routing is None:
+            raise ValueError(
+                "algorithm.routing_replay=R3: the rollouts carry no routed experts "
+                "(the rollout engine did not report them)"
+            )
+        batch.replay = batch.rollout_routing
     wanted = Passes(
         reference=parts.reference is not None or (algo.kl_coef > 0 and is_lora(parts.policy)),
         values=parts.trainers.critic is not None,
         old=needs_old_logprobs(config, parts, len(batch)),
+        record_routing=algo.routing_replay == "R2",
     )
     with (peers or Alone()).together("forward", (batch, wanted)):
         passes = forward_passes(parts, batch, wanted)
+    if passes["replay"] is not None:
+        batch.replay = passes["replay"]
     metrics: dict[str, float] = dict(passes["metrics"])
     ref_logprobs, old_values, old_logprobs = passes["ref"], passes["values"], passes["old"]
     scores = torch.tensor(rewards, dtype=torch.float32, device=parts.device)  # [N]

@@ -19,7 +19,7 @@ from honing.pipeline.alerting import parse_rules
 def check_config(config: Config, world_size: int = 1) -> None:
     """Raises ``ConfigError`` for the first rule ``config`` breaks; ``world_size``: the
     number of torchrun ranks the run is launched with."""
-    for check in (_algorithm, _monitor, _data, _rollout, _schedule, _strategy):
+    for check in (_algorithm, _routing, _monitor, _data, _rollout, _schedule, _strategy):
         check(config)
     _backend(config, world_size)
 
@@ -140,6 +140,53 @@ def _strategy(config: Config) -> None:
     ):
         if unsupported:
             raise ConfigError(f"{key} is not supported with trainer.strategy=fsdp yet")
+
+
+def _routing(config: Config) -> None:
+    """What routing replay needs of the other keys: the rollout's experts are recorded by the
+    plain decode loop (not by speculative decoding); a replayed pass must hold its plan
+    through the backward (no activation checkpointing, which reruns layers there); R2's
+    record of the old pass is one rank's (not sharded rows)."""
+    replay = config.algorithm.routing_replay
+    if replay == "off":
+        return
+    key = f"algorithm.routing_replay={replay}"
+    if replay == "R3" and config.rollout.speculative != "off":
+        raise ConfigError(
+            f"{key}: speculative decoding records no routed experts; set rollout.speculative=off"
+        )
+    if config.model.gradient_checkpointing:
+        raise ConfigError(
+            f"{key}: activation checkpointing reruns the layers outside the replayed pass; "
+            "set model.gradient_checkpointing=false"
+        )
+    if replay == "R2" and config.trainer.strategy == "fsdp":
+        raise ConfigError(f"{key} is not supported with trainer.strategy=fsdp yet; use R3")
+
+
+def check_policy_routing(config: Config, policy) -> None:
+    """What routing replay and the router losses need of the loaded policy: top-k routed MoE
+    layers, routers whose mixing weights honing can recompute, the family's load-balancing
+    loss."""
+    from honing.models.moe import routers_of
+
+    algo = config.algorithm
+    if algo.routing_replay == "off" and not (algo.router_aux_coef or algo.router_z_coef):
+        return
+    routers = routers_of(policy)
+    if routers is None:
+        raise ConfigError(
+            "algorithm.routing_replay / router_aux_coef / router_z_coef apply to "
+            f"mixture-of-experts policies; {type(policy).__name__} has no top-k routed "
+            "MoE layers"
+        )
+    if algo.routing_replay != "off" and (reason := routers.check_replay()) is not None:
+        raise ConfigError(f"algorithm.routing_replay: {reason}")
+    if algo.router_aux_coef > 0 and routers.load_balancing_loss() is None:
+        raise ConfigError(
+            f"algorithm.router_aux_coef: the {routers.family} family defines no "
+            "load-balancing loss (DeepSeek-V3 balances its experts with a bias); set it to 0"
+        )
 
 
 def _backend(config: Config, world_size: int) -> None:

@@ -145,8 +145,9 @@ def reap(patience_s=2.0):
 
 def sweep(config, uid, pid):
     """Kill every process of the run: as PID 1, ``kill(-1)`` (all but us); as root, a helper
-    with the run's uid does ``kill(-1)`` (all of that uid); else the run's process group,
-    then our children (orphans are re-parented to us) level by level."""
+    with the run's uid does ``kill(-1)`` (all of that uid) and clears that uid's user
+    keyrings (the uid serves later runs: keys must not outlive this one); else the run's
+    process group, then our children (orphans are re-parented to us) level by level."""
     if config["sweep"] == "init":
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
@@ -157,6 +158,7 @@ def sweep(config, uid, pid):
             for _ in range(2):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(-1, signal.SIGKILL)
+            clear_keyrings()
             os._exit(0)
         os.waitpid(helper, 0)
     else:
@@ -179,8 +181,8 @@ def clean(config, uid):
     """Delete what the run left: everything in the work root (the run directory, anything
     else a namespaced run wrote there) and in the scratch dirs (private tmpfs: all; shared
     with the host: only entries owned by the run's fresh uid); SysV IPC objects (namespaced:
-    all; none as root: the run uid's); the keys in our user keyrings (namespaced only: a
-    fresh uid per run has keyrings of its own)."""
+    all; none as root: the run uid's); the keys in our user keyrings (namespaced; none as
+    root: ``sweep`` clears the run uid's)."""
     for directory, everything in [
         (config["workroot"], True),
         *((d, False) for d in config["scratch"]),
@@ -196,7 +198,13 @@ def clean(config, uid):
     namespaced = config["sweep"] == "init"
     if namespaced or uid is not None:  # never the host's own objects (none, as non-root)
         remove_ipc(uid)
-    if namespaced and os.uname().machine in KEYCTL:
+    if namespaced:
+        clear_keyrings()
+
+
+def clear_keyrings():
+    """Unlink every key of the calling uid's user keyrings."""
+    if os.uname().machine in KEYCTL:
         for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
             LIBC.syscall(KEYCTL[os.uname().machine], 7, keyring)  # KEYCTL_CLEAR
 

@@ -35,7 +35,8 @@ What consecutive programs of one worker share, and why that is safe:
 - IPC objects and keys, which outlive processes: SysV shared memory, message queues and
   semaphore sets are removed after each run (namespaced: all in the private IPC namespace;
   ``none`` as root: the run uid's), POSIX message queues cannot be made (RLIMIT_MSGQUEUE 0),
-  and the uid's user keyrings are cleared (namespaced; a fresh uid per run has its own).
+  and the run uid's user keyrings are cleared (namespaced, and ``none`` as root: its uids
+  serve later runs).
   Not cleaned for ``none`` as non-root (they would be the host user's own).
 - The uid (bwrap/unshare): every run of a worker has the sandbox's uid (one fresh uid per
   zygote when root); harmless since nothing of the previous run is left to signal or trace.

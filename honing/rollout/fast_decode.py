@@ -33,7 +33,10 @@ from torch import nn
 from honing.models.llama_block import (
     Norm,
     Projection,
+    head_norms,
     linear_params,
+    moe_forward,
+    norm_heads,
     norm_of,
     project,
     projection,
@@ -43,6 +46,7 @@ from honing.models.llama_block import (
     supports,
     unwrap,
 )
+from honing.models.moe import is_moe_block
 
 __all__ = ["FastDecoder", "supports", "unwrap"]
 
@@ -57,21 +61,37 @@ class _Layer(NamedTuple):
     qkv_sizes: tuple[int, int, int]
     o: Projection
     post_norm: Norm
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | None  # None: an MoE block (``moe``)
+    down: Projection | None
+    head_norms: tuple[Norm, Norm] | None  # Qwen3's per-head q and k norms
+    moe: nn.Module | None  # the model's own MoE block
 
 
 def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
+    moe = mlp if is_moe_block(mlp) else None
     return _Layer(
         norm_of(layer.input_layernorm),
         projection(attn.q_proj, attn.k_proj, attn.v_proj),
         (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         projection(attn.o_proj),
         norm_of(layer.post_attention_layernorm),
-        projection(mlp.gate_proj, mlp.up_proj),
-        projection(mlp.down_proj),
+        None if moe else projection(mlp.gate_proj, mlp.up_proj),
+        None if moe else projection(mlp.down_proj),
+        head_norms(attn),
+        moe,
     )
+
+
+def _mlp(x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    """``x`` plus the block's MLP (or MoE block) of its post-attention norm."""
+    h = rms_norm(x, layer.post_norm)
+    if layer.moe is not None:
+        return x + moe_forward(layer.moe, h)
+    gate, up = project(h, layer.gate_up).chunk(2, dim=-1)
+    if x.dim() == 2:  # a decode step's [B, E] rows: the residual inside the addmm
+        return _residual(x, F.silu(gate) * up, layer.down)
+    return x + project(F.silu(gate) * up, layer.down)
 
 
 def _first(rows: torch.Tensor) -> torch.Tensor:
@@ -94,7 +114,9 @@ class FastDecoder:
     Usage: ``logits = decoder.prefill(ids, mask, positions, max_new_tokens)`` then, per new
     token, ``logits = decoder.step(token, positions)``; both return the last position's logits
     ``[B, V]`` in the model dtype. Call under ``torch.no_grad()`` with the model in eval mode.
-    ``hidden`` holds the final (normed) hidden states the last call's logits came from.
+    ``hidden`` holds the final (normed) hidden states the last call's logits came from;
+    ``prefill_rows``, for each row, the row of the prefill that ran its prompt (rows with the
+    same prompt share one), or None when each ran its own.
     """
 
     def __init__(self, model: nn.Module):
@@ -136,6 +158,7 @@ class FastDecoder:
         else:  # run each distinct prompt once, then give every row its prompt's cache
             first = _first(rows)
             ids, mask, positions = ids[first], mask[first], positions[first]
+        self.prefill_rows = rows  # each row's run row in the prefill (None: one each)
         run = len(ids)
         width = capacity if rows is None else prompt_len  # shared: a prompt-only cache
         self.keys = weight.new_empty((shape[0], run, shape[2], width, shape[4]))
@@ -171,6 +194,7 @@ class FastDecoder:
         bias = bias.view(batch * kv_heads, 1, end)  # [B*Hkv, 1, S]
         for number, layer in enumerate(self.layers):
             qkv = project(rms_norm(x, layer.input_norm), layer.qkv).view(batch, -1, dim)
+            qkv = norm_heads(qkv, heads, kv_heads, layer.head_norms)
             qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # [B, H + Hkv, D]
             self.keys[number, :, :, slot] = qk[:, heads:]
             self.values[number, :, :, slot] = qkv[:, heads + kv_heads :]
@@ -179,9 +203,7 @@ class FastDecoder:
             query = qk[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
             scores = torch.baddbmm(bias, query, keys.transpose(1, 2), alpha=self.scaling)
             out = torch.bmm(scores.softmax(-1), values).view(batch, heads * dim)  # [B, H*D]
-            x = _residual(x, out, layer.o)
-            gate, up = project(rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-            x = _residual(x, F.silu(gate) * up, layer.down)
+            x = _mlp(_residual(x, out, layer.o), layer)
         self.length = end
         last = rms_norm(x, self.final_norm)
         self.hidden = last[:, None]  # [B, 1, E]: what the logits came from
@@ -221,9 +243,12 @@ class FastDecoder:
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm)
             q, k, v = (
-                part.view(batch, width, -1, self.head_dim).transpose(1, 2)
+                part.view(batch, width, -1, self.head_dim)
                 for part in project(h, layer.qkv).split(layer.qkv_sizes, dim=-1)
-            )  # [B, H or Hkv, T, D]
+            )  # [B, T, H or Hkv, D]
+            if layer.head_norms is not None:
+                q, k = rms_norm(q, layer.head_norms[0]), rms_norm(k, layer.head_norms[1])
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = rotate(q, cos, sin)
             self.keys[index, :, :, start:end] = rotate(k, cos, sin)
             self.values[index, :, :, start:end] = v
@@ -240,9 +265,7 @@ class FastDecoder:
                     enable_gqa=self.heads != self.kv_heads,
                 )  # [B, H, T, D]
             x = x + project(out.transpose(1, 2).reshape(batch, width, -1), layer.o)
-            h = rms_norm(x, layer.post_norm)
-            gate, up = project(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + project(F.silu(gate) * up, layer.down)
+            x = _mlp(x, layer)
         self.length = end
         if every_position:
             normed = rms_norm(x, self.final_norm)  # [B, T, E]

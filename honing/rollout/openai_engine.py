@@ -173,6 +173,10 @@ class OpenAIEngine(RolloutEngine):
                 raise EngineRequestError(
                     f"{endpoint.url} answered {len(choices)} choices for n={params.n}"
                 )
+            prompt_routing = answer.get("prompt_routed_experts")
+            if prompt_routing is not None:  # vLLM --enable-return-routed-experts; honing's
+                for choice in choices:
+                    choice["_prompt_routed_experts"] = prompt_routing
             return choices, answer.get("weight_version", self.weight_version)
         raise EngineUnavailable(
             f"no rollout endpoint could serve prompt {request.prompt_id} after "
@@ -206,6 +210,7 @@ class OpenAIEngine(RolloutEngine):
             weight_version=int(version),
             text=text,
             gen_seconds=seconds,
+            routed_experts=_routed_experts(request, choice, len(ids)),
         )
 
     def take_report(self) -> tuple[dict[str, float], list]:
@@ -415,6 +420,32 @@ def _counters(text: str) -> dict[str, float]:
 def _base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _routed_experts(request: GenerationRequest, choice: dict, length: int):
+    """The experts a server's MoE routers chose for the prompt and each response token but the
+    last (``Rollout.routed_experts``), from vLLM's ``prompt_routed_experts`` and the choice's
+    ``routed_experts``; None when the server sent none or they do not fit the tokens."""
+    prompt, answered = choice.get("_prompt_routed_experts"), choice.get("routed_experts")
+    if prompt is None or answered is None:
+        return None
+    import torch
+
+    try:
+        prompt = torch.tensor(prompt, dtype=torch.int16)
+        answered = torch.tensor(answered, dtype=torch.int16)[: max(length - 1, 0)]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if (
+        prompt.dim() != 3
+        or len(prompt) != len(request.prompt_ids)
+        or len(answered) != max(length - 1, 0)
+        or (len(answered) and answered.shape[1:] != prompt.shape[1:])
+    ):
+        return None
+    experts = torch.cat([prompt, answered.reshape(-1, *prompt.shape[1:])])
+    small = experts.numel() == 0 or int(experts.max()) <= 127
+    return experts.to(torch.int8) if small else experts
 
 
 def _token_id(token: str) -> int:

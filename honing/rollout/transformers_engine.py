@@ -13,12 +13,14 @@ models); any other model, or ``fast_decode=False``, uses the model's own forward
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import time
 
 import torch
 
+from honing.models.moe import routers_of
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
@@ -253,27 +255,30 @@ class TransformersEngine(RolloutEngine):
         if not self.fast_decode:  # the fast decoder runs no dropout: no mode switch to pay
             self.model.eval()
         decoder = self._decoder()
-        logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
-        tokens, logprobs = [], []
-        done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
-        deadline, cut = self._deadline(started), None
-        for t in range(int(budget.max())):
-            token, logprob = self._sample(logits.float(), params, generator)  # [B], [B]
-            token = torch.where(done, torch.full_like(token, pad), token)
-            tokens.append(token)
-            logprobs.append(logprob)
-            done = done | torch.isin(token, stop) | (t + 1 >= budget)
-            if bool(done.all()):
-                break
-            if time.perf_counter() > deadline:  # rollout.gen_timeout_s: cut what still runs
-                cut = [0 if finished else t + 1 for finished in done.tolist()]
-                break
-            positions = positions[:, -1:] + 1
-            logits = decoder.step(token, positions)
+        routers = routers_of(self.model)  # an MoE policy: record each token's experts
+        session = routers.session(record=True) if routers else contextlib.nullcontext()
+        with session:
+            logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
+            tokens, logprobs = [], []
+            done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
+            deadline, cut = self._deadline(started), None
+            for t in range(int(budget.max())):
+                token, logprob = self._sample(logits.float(), params, generator)  # [B], [B]
+                token = torch.where(done, torch.full_like(token, pad), token)
+                tokens.append(token)
+                logprobs.append(logprob)
+                done = done | torch.isin(token, stop) | (t + 1 >= budget)
+                if bool(done.all()):
+                    break
+                if time.perf_counter() > deadline:  # rollout.gen_timeout_s: cut what runs
+                    cut = [0 if finished else t + 1 for finished in done.tolist()]
+                    break
+                positions = positions[:, -1:] + 1
+                logits = decoder.step(token, positions)
         if not self.fast_decode:
             self.model.train(was_training)
         seconds = time.perf_counter() - started
-        return self._to_rollouts(
+        rollouts = self._to_rollouts(
             chunk,
             torch.stack(tokens, 1).tolist(),
             torch.stack(logprobs, 1).tolist(),
@@ -281,6 +286,9 @@ class TransformersEngine(RolloutEngine):
             seconds,
             cut,
         )
+        if routers:
+            _attach_experts(rollouts, session, getattr(decoder, "prefill_rows", None), ids.shape)
+        return rollouts
 
     @staticmethod
     def _sample(
@@ -329,6 +337,22 @@ class TransformersEngine(RolloutEngine):
                 )
             )
         return rollouts
+
+
+def _attach_experts(rollouts: list[Rollout], session, prefill_rows, shape) -> None:
+    """Give each rollout the experts its tokens were routed to (``Rollout.routed_experts``):
+    the prompt's from the prefill, then one per decode step for every response token but the
+    last. ``prefill_rows`` maps rows to the prefill rows that ran their (shared) prompt."""
+    batch, width = shape
+    calls = session.recorded_calls()  # the prefill's [run * P, L, k], then a [B, L, k] per step
+    prefill = calls[0].view(-1, width, *calls[0].shape[1:]).cpu()
+    if prefill_rows is not None:
+        prefill = prefill[prefill_rows.cpu()]
+    steps = torch.stack(calls[1:], 1).cpu() if len(calls) > 1 else prefill[:, :0]
+    for row, rollout in enumerate(rollouts):
+        prompt = prefill[row, width - len(rollout.prompt_ids) :]
+        answered = steps[row, : max(len(rollout.response_ids) - 1, 0)]
+        rollout.routed_experts = torch.cat([prompt, answered]).clone()  # its own storage
 
 
 def _distribution(params: SamplingParams):

@@ -116,6 +116,18 @@ async def json_object(request: Request) -> dict[str, Any]:
     return body
 
 
+def _routed_experts(rollouts, order: list[int], choices: list[dict]) -> dict[str, Any]:
+    """A mixture-of-experts policy's routing, as vLLM's ``--enable-return-routed-experts``
+    returns it: ``prompt_routed_experts`` [P, layers, top_k] for the request's prompt and, per
+    choice, ``routed_experts`` for its tokens (each but the last: the last was never run)."""
+    if not rollouts or rollouts[0].routed_experts is None:
+        return {}
+    prompt = len(rollouts[0].prompt_ids)
+    for choice, position in zip(choices, order, strict=True):
+        choice["routed_experts"] = rollouts[position].routed_experts[prompt:].tolist()
+    return {"prompt_routed_experts": rollouts[0].routed_experts[:prompt].tolist()}
+
+
 def rollout_app(
     engine,
     *,
@@ -172,9 +184,10 @@ def rollout_app(
                     },
                 }
             )
+        routed = _routed_experts(rollouts, order, choices)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         prompt_tokens = sum(len(ids) for ids in rows)
-        return {
+        return routed | {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),

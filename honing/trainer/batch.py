@@ -14,8 +14,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
+from honing.models.moe import RouterStats, routers_of
 from honing.trainer.head import head_logprobs
-from honing.trainer.packed import is_sharded, packed_response_logprobs, packed_supported
+from honing.trainer.packed import (
+    is_sharded,
+    layout_of,
+    packed_response_logprobs,
+    packed_supported,
+)
 from honing.types import Rollout
 
 
@@ -31,6 +37,11 @@ class TrainBatch:
         response_mask: [B, R] 1 on real response tokens (including the final EOS).
         behaviour_logprobs: [B, R] the engine's sampling logprobs.
         prompt_width: P.
+        rollout_routing: [B, P + R, L, k] for a mixture-of-experts policy, the experts the
+            engine's routers chose for each input token in each of the L MoE layers (-1
+            where none was recorded: padding, each response's last token), or None.
+        replay: [B, P + R, L, k] the experts every forward pass of the policy is to use
+            (routing replay: the rollout's, or the trainer's own first pass's), or None.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +51,8 @@ class TrainBatch:
     response_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     prompt_width: int
+    rollout_routing: torch.Tensor | None = None
+    replay: torch.Tensor | None = None
     # Layouts of the packed forward made for this batch, by (device, dtype): the reference,
     # old-logprob and update passes of one batch share one.
     layouts: dict = field(default_factory=dict, repr=False, compare=False)
@@ -55,6 +68,10 @@ class TrainBatch:
         if in_order and width == self.responses.shape[1]:
             return self
         cut = self.prompt_width + width
+
+        def rows(plan):
+            return None if plan is None else plan[index.to(plan.device), :cut]
+
         return TrainBatch(
             self.input_ids[index, :cut],
             self.attention_mask[index, :cut],
@@ -63,6 +80,8 @@ class TrainBatch:
             self.response_mask[index, :width],
             self.behaviour_logprobs[index, :width],
             self.prompt_width,
+            rows(self.rollout_routing),
+            rows(self.replay),
         )
 
     def masked_after(self, rows: int) -> TrainBatch:
@@ -90,6 +109,7 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
     attention = torch.tensor(real, dtype=torch.long)
     behaviour = torch.tensor(behaviour, dtype=torch.float32)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    routing = _rollout_routing(rollouts, width_p, width_r)
     return TrainBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -98,7 +118,44 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
         response_mask=attention[:, width_p:].float().to(device),
         behaviour_logprobs=behaviour.to(device),
         prompt_width=width_p,
+        rollout_routing=None if routing is None else routing.to(device),
     )
+
+
+def _rollout_routing(rollouts: list[Rollout], width_p: int, width_r: int):
+    """The rollouts' recorded experts in the batch layout [B, P + R, L, k] (-1 where none),
+    or None unless every rollout has them."""
+    recorded = [r.routed_experts for r in rollouts]
+    if any(x is None for x in recorded):
+        return None
+    _, layers, top_k = recorded[0].shape
+    plan = torch.full(
+        (len(rollouts), width_p + width_r, layers, top_k), -1, dtype=recorded[0].dtype
+    )
+    for row, (r, experts) in enumerate(zip(rollouts, recorded, strict=True)):
+        start = width_p - len(r.prompt_ids)
+        plan[row, start : start + len(experts)] = experts
+    return plan
+
+
+@dataclass
+class RouterTap:
+    """What a logprob pass of a mixture-of-experts policy takes from its routers.
+
+    Attributes:
+        stats: add the pass's expert loads, router entropy and the match of the live choice
+            with the rollout's to these sums.
+        record: keep the experts the pass used (``recorded``, [B, P + R, L, k], -1 where the
+            pass ran no token: routing replay R2's plan).
+        keep_logits: keep the router logits of the real tokens with their gradient
+            (``logits``, one [n, E] per MoE layer) for the router losses.
+    """
+
+    stats: RouterStats | None = None
+    record: bool = False
+    keep_logits: bool = False
+    recorded: torch.Tensor | None = None
+    logits: list = field(default_factory=list)
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -107,7 +164,17 @@ def _accepts_logits_to_keep(model) -> bool:
 
 # Causal LMs whose logits are exactly ``lm_head(final hidden state)``: the head can then be
 # applied in chunks (no soft-capping or scaling after it, as Gemma 2 or Cohere have).
-PLAIN_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+PLAIN_HEAD_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+)
 HEAD_CHUNK_LOGITS = 1 << 24  # logits per chunk when the head is applied in chunks (64 MiB)
 
 
@@ -119,6 +186,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     packed: bool = False,
+    tap: RouterTap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (and entropy) of each response token under ``model``: [B, R] each.
 
@@ -134,8 +202,53 @@ def response_logprobs(
 
     ``packed``: where ``packed_supported(model)``, the forward runs each distinct prompt once
     and no padding (``honing.trainer.packed``), the head fused as above; the same numbers.
+
+    A mixture-of-experts ``model`` routes as ``batch.replay`` says where it holds a plan;
+    ``tap`` takes what the pass's routers saw (``RouterTap``).
     """
-    if packed and packed_supported(model) is True:
+    packed = packed and packed_supported(model) is True
+    routers = routers_of(model)
+    if routers is None or (batch.replay is None and batch.rollout_routing is None and tap is None):
+        return _response_logprobs(model, batch, temperature, with_entropy, entropy_grad, packed)
+    tap = tap or RouterTap()
+    layout = layout_of(model, batch) if packed else None
+    if layout is None:  # the padded forward: its routers see the B x (P + R) tokens in order
+        real = batch.attention_mask.reshape(-1).bool()
+
+        def flat(plan):
+            return None if plan is None else plan.reshape(-1, *plan.shape[2:])
+    else:  # the packed stream: each flat token's place in the batch
+        real = None
+
+        def flat(plan):
+            return None if plan is None else plan.reshape(-1, *plan.shape[2:])[layout.sources]
+
+    session = routers.session(
+        replay=flat(batch.replay),
+        reference=flat(batch.rollout_routing),
+        real=real,
+        record=tap.record,
+        stats=tap.stats,
+        keep_logits=tap.keep_logits,
+    )
+    with session:
+        out = _response_logprobs(model, batch, temperature, with_entropy, entropy_grad, packed)
+    tap.logits = session.logits
+    if tap.record:
+        [used] = session.recorded_calls()  # [N, L, k]
+        shape = (*batch.input_ids.shape, *used.shape[1:])
+        if layout is None:
+            tap.recorded = used.view(shape)
+        else:
+            padded = used.new_full((shape[0] * shape[1], *shape[2:]), -1)
+            placed = layout.places >= 0
+            padded[placed] = used[layout.places[placed]]
+            tap.recorded = padded.view(shape)
+    return out
+
+
+def _response_logprobs(model, batch, temperature, with_entropy, entropy_grad, packed):
+    if packed:
         vocab = model.get_output_embeddings().weight.shape[0]
         return packed_response_logprobs(
             model,

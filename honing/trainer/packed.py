@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from honing.models.llama_block import (
+    head_norms,
+    moe_forward,
+    norm_heads,
     norm_of,
     project,
     projection,
@@ -37,6 +40,7 @@ from honing.models.llama_block import (
     supports,
     unwrap,
 )
+from honing.models.moe import is_moe_block
 from honing.trainer.head import head_logprobs
 
 
@@ -101,6 +105,11 @@ class PackedLayout:
         unpad: [N] where each flat token's attention output sits in the [U + B, Q] block.
         predictors: [T] the flat token whose hidden state predicts each real response token
             (row-major, as ``response_mask`` orders them).
+        sources: [N] where each flat token sits in the flattened [B * (P + R)] batch (the
+            first row of a shared prompt): a per-token plan of the batch (routing replay)
+            gathered into the stream's order.
+        places: [B * (P + R)] the flat token each batch position runs as, -1 where none
+            (padding, each row's last response token): the stream scattered back.
     """
 
     ids: torch.Tensor
@@ -111,6 +120,8 @@ class PackedLayout:
     dtype: torch.dtype
     unpad: torch.Tensor
     predictors: torch.Tensor
+    sources: torch.Tensor
+    places: torch.Tensor
     _additive: torch.Tensor | None = None
 
     def additive(self) -> torch.Tensor:
@@ -176,7 +187,16 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
         dtype=dtype,
         unpad=query_real.flatten().nonzero().squeeze(1).to(**to),
         predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
+        sources=torch.tensor(stream.sources, dtype=torch.long, **to),
+        places=torch.tensor(stream.places, dtype=torch.long, **to),
     )
+
+
+def layout_of(model: nn.Module, batch) -> PackedLayout:
+    """The packed layout of ``batch`` for ``model``'s device and dtype (made once per batch)."""
+    weight = unwrap(model).model.embed_tokens.weight
+    key = (weight.device, weight.dtype)
+    return batch.layouts.get(key) or batch.layouts.setdefault(key, packed_layout(batch, *key))
 
 
 @dataclass
@@ -193,6 +213,8 @@ class _Stream:
     response_lens: list[int] = field(default_factory=list)
     group: list[int] = field(default_factory=list)
     predictors: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    places: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, batch) -> _Stream:
@@ -200,22 +222,33 @@ class _Stream:
         rows = batch.input_ids.tolist()
         prompt_mask = batch.attention_mask[:, :width].tolist()
         lengths = batch.response_mask.sum(-1).long().tolist()
-        stream, prompts = cls(), {}
-        for row, real in zip(rows, prompt_mask, strict=True):
+        stream, prompts, first = cls(), {}, {}
+        for number, (row, real) in enumerate(zip(rows, prompt_mask, strict=True)):
             tokens = tuple(t for t, keep in zip(row[:width], real, strict=True) if keep)
-            stream.group.append(prompts.setdefault(tokens, len(prompts)))
-        for tokens in prompts:
+            unit = prompts.setdefault(tokens, len(prompts))
+            first.setdefault(unit, number)
+            stream.group.append(unit)
+        columns = len(rows[0]) if rows else 0
+        stream.places = [-1] * (len(rows) * columns)
+        for unit, tokens in enumerate(prompts):
             stream.prompt_starts.append(len(stream.ids))
             stream.prompt_lens.append(len(tokens))
             stream.ids += tokens
             stream.positions += range(len(tokens))
-        for row, unit, length in zip(rows, stream.group, lengths, strict=True):
+            origin = first[unit] * columns + width - len(tokens)
+            stream.sources += range(origin, origin + len(tokens))
+        for number, (row, unit, length) in enumerate(zip(rows, stream.group, lengths, strict=True)):
             inputs = row[width : width + max(length - 1, 0)]  # the last token predicts nothing
             start, prompt_len = len(stream.ids), stream.prompt_lens[unit]
             stream.response_starts.append(start)
             stream.response_lens.append(len(inputs))
             stream.ids += inputs
             stream.positions += range(prompt_len, prompt_len + len(inputs))
+            at = number * columns + width
+            stream.sources += range(at, at + len(inputs))
+            stream.places[at : at + len(inputs)] = range(start, start + len(inputs))
+            prompt_at, prompt_start = at - prompt_len, stream.prompt_starts[unit]
+            stream.places[prompt_at:at] = range(prompt_start, prompt_start + prompt_len)
             if length > 0:  # the prompt's last token predicts the first response token
                 last = stream.prompt_starts[unit] + prompt_len - 1
                 stream.predictors += [last, *range(start, start + len(inputs))]
@@ -244,18 +277,19 @@ def packed_response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``response_logprobs`` through the packed forward: [B, R] logprobs (and entropy), 0 at
     padding. ``model`` must pass ``packed_supported``."""
+    layout = layout_of(model, batch)
     model = unwrap(model)
     inner = model.model
-    weight = inner.embed_tokens.weight
-    key = (weight.device, weight.dtype)
-    layout = batch.layouts.get(key) or batch.layouts.setdefault(key, packed_layout(batch, *key))
-    x = F.embedding(layout.ids, weight)  # [N, E]
+    x = F.embedding(layout.ids, inner.embed_tokens.weight)  # [N, E]
     cos, sin = rotary(inner.rotary_emb.inv_freq, layout.positions, x.dtype)  # [N, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: broadcast over heads
     for layer in inner.layers:
         x = x + _attention(layer, rms_norm(x, norm_of(layer.input_layernorm)), cos, sin, layout)
         h = rms_norm(x, norm_of(layer.post_attention_layernorm))
         mlp = layer.mlp
+        if is_moe_block(mlp):  # the model's own block: router, experts, shared experts
+            x = x + moe_forward(mlp, h)
+            continue
         gate, up = project(h, projection(mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
         x = x + mlp.down_proj(F.silu(gate) * up)
     hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(inner.norm))  # [T, E]
@@ -281,6 +315,7 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     qkv = project(h, projection(attn.q_proj, attn.k_proj, attn.v_proj))
     qkv = qkv.view(h.shape[0], -1, dim)  # [N, H + 2 Hkv, D]
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    qkv = norm_heads(qkv, heads, kv_heads, head_norms(attn))
     qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
     out = _block(

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
-from honing.trainer.batch import TrainBatch, response_logprobs
+from honing.models.moe import RouterStats, moe_metrics, router_z_loss, routers_of
+from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
 from honing.trainer.engine import TrainerEngine
 
 
@@ -40,6 +41,8 @@ class UpdateSettings:
     loss_scale_len: int = 0  # seq_mean_token_sum_norm's constant length; 0 = batch width
     autocast: str = "none"  # none | bfloat16 | float16: the forward passes' compute dtype
     packed: bool = True  # prompts once per group, no padding, where the model allows
+    router_aux_coef: float = 0.0  # MoE: the family's load-balancing loss
+    router_z_coef: float = 0.0  # MoE: the router z-loss
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
@@ -82,8 +85,10 @@ def micro_step(
     ref_logprobs,
     counts: tuple,
     settings: UpdateSettings,
+    tap: RouterTap | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Forward + backward of one micro-batch; returns its (detached) metric contributions."""
+    """Forward + backward of one micro-batch; returns its (detached) metric contributions.
+    ``tap``: an MoE policy's routers (statistics, logits for the router losses)."""
     # Normalisers of the whole mini-batch (and the whole batch's response width), so that
     # any micro-batch split gives the same gradient.
     num_tokens, num_seqs, scale_len = counts
@@ -96,6 +101,7 @@ def micro_step(
             with_entropy=True,
             entropy_grad=settings.entropy_coef > 0,
             packed=settings.packed,
+            tap=tap,
         )  # [b, R]
     # On-policy (one optimizer step per batch): the old policy is the current one, ratio = 1.
     old = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -117,8 +123,26 @@ def micro_step(
         loss = loss - settings.entropy_coef * aggregate_loss(
             entropy, mask, settings.loss_agg, **norm
         )
+    if tap is not None and tap.logits:
+        loss = loss + share * _router_losses(model, tap.logits, settings, out, share)
     loss.backward()
     return out
+
+
+def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, out, share):
+    """The MoE router losses of one micro-batch (their metrics added to ``out``)."""
+    routers = routers_of(model)
+    total = 0.0
+    if settings.router_aux_coef > 0:
+        balance = routers.load_balancing_loss()
+        aux = balance(tuple(logits), routers.num_experts, routers.top_k)
+        total = total + settings.router_aux_coef * aux
+        out["moe/aux_loss"] = aux.detach() * share
+    if settings.router_z_coef > 0:
+        z = router_z_loss(logits)
+        total = total + settings.router_z_coef * z
+        out["moe/z_loss"] = z.detach() * share
+    return total
 
 
 def _rows(index: torch.Tensor, width: int):
@@ -157,6 +181,9 @@ def update_policy(
     totals: dict[str, torch.Tensor] = {}
     grad_norms = []
     optimizer_steps = skipped = 0
+    routers = routers_of(model)
+    stats = RouterStats() if routers is not None else None
+    router_losses = settings.router_aux_coef > 0 or settings.router_z_coef > 0
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
@@ -165,6 +192,10 @@ def update_policy(
         for micro_index, real in engine.rows(index, settings.micro_batch_size):
             micro = batch.select(micro_index).masked_after(real)
             rows = _rows(micro_index, micro.responses.shape[1])
+            tap = None
+            if routers is not None:  # statistics before the step's first optimizer step
+                tap = RouterTap(stats=stats if optimizer_steps == 0 else None)
+                tap.keep_logits = router_losses
             contrib = micro_step(
                 model,
                 micro,
@@ -173,6 +204,7 @@ def update_policy(
                 rows(ref_logprobs),
                 counts,
                 settings,
+                tap,
             )
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
@@ -186,4 +218,7 @@ def update_policy(
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
+    if stats is not None:
+        sums = {k: float(v) for k, v in engine.reduce(stats.sums()).items()}
+        metrics |= moe_metrics(sums, routers.layers, routers.num_experts)
     return metrics
