@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from honing.models.moe import is_moe_block
-
 # transformers class name -> model_type; all three share the Llama decoder block.
 SUPPORTED_CLASSES = {
     "LlamaForCausalLM": "llama",
@@ -52,6 +50,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         return model.get_base_model()
     return model
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` (a decoder layer's ``mlp``) is a top-k routed MoE block: a router
+    ``gate`` with a ``top_k`` and an ``experts`` module (``honing.models.moe``)."""
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    return (
+        isinstance(gate, nn.Module)
+        and isinstance(experts, nn.Module)
+        and isinstance(getattr(gate, "top_k", None), int)
+    )
 
 
 def _plain_or_lora(linear: nn.Module) -> bool:

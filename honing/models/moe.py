@@ -26,6 +26,8 @@ from itertools import product
 import torch
 from torch import nn
 
+from honing.models.llama_block import is_moe_block, unwrap
+
 
 @dataclass(frozen=True)
 class Mixing:
@@ -69,15 +71,6 @@ def find_mixing(router: nn.Module, output) -> Mixing | None:
         if mine.dtype == weights.dtype and torch.equal(mine, weights.detach()):
             return recipe
     return None
-
-
-def _is_router_block(module: nn.Module) -> bool:
-    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
-    return (
-        isinstance(gate, nn.Module)
-        and isinstance(experts, nn.Module)
-        and isinstance(getattr(gate, "top_k", None), int)
-    )
 
 
 @dataclass
@@ -125,9 +118,9 @@ class Routers:
         """None when every router's weights can be recomputed for replayed experts, else why
         not (a probe input through each router; a sharded router is checked at its first
         call instead)."""
-        from honing.trainer.packed import is_sharded
+        from torch.distributed.fsdp import FSDPModule
 
-        if is_sharded(self.model):
+        if isinstance(self.model, FSDPModule):
             return None
         for number, router in enumerate(self.routers):
             weight = next(router.parameters())
@@ -152,8 +145,6 @@ _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def routers_of(model: nn.Module) -> Routers | None:
     """The ``Routers`` of ``model`` (a transformers causal LM, maybe in a LoRA wrapper), or
     None for a dense model. Found once per module."""
-    from honing.models.llama_block import unwrap
-
     base = unwrap(model)
     if base in _FOUND:
         return _FOUND[base]
@@ -162,7 +153,7 @@ def routers_of(model: nn.Module) -> Routers | None:
     if isinstance(layers, nn.ModuleList):
         blocks, numbers = [], []
         for number, layer in enumerate(layers):
-            block = next((m for m in layer.children() if _is_router_block(m)), None)
+            block = next((m for m in layer.children() if is_moe_block(m)), None)
             if block is not None:
                 blocks.append(block)
                 numbers.append(number)
@@ -183,11 +174,6 @@ def routers_of(model: nn.Module) -> Routers | None:
             )
     _FOUND[base] = found
     return found
-
-
-def is_moe_block(module: nn.Module) -> bool:
-    """Whether ``module`` (a decoder layer's ``mlp``) is a top-k routed MoE block."""
-    return _is_router_block(module)
 
 
 @dataclass

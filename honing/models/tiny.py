@@ -45,6 +45,8 @@ class TinySpec:
     experts: int = 0  # > 0: a Qwen3-MoE with this many experts in every layer
     experts_per_token: int = 2
     expert_size: int = 192  # each expert's intermediate size
+    # the warm start's load-balancing loss (as MoE pretraining keeps one: experts stay used)
+    router_aux_coef: float = 0.01
 
 
 TINY = TinySpec()  # builtin:tiny
@@ -145,12 +147,16 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     for step in range(spec.warmstart_steps):
         index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
         batch, mask = ids[index], loss_mask[index]
-        logits = model(input_ids=batch, attention_mask=attention[index]).logits  # [B, T, V]
+        balance = {"output_router_logits": True} if spec.experts else {}
+        out = model(input_ids=batch, attention_mask=attention[index], **balance)
+        logits = out.logits  # [B, T, V]
         # Token t predicts token t+1: shift so each target lines up with its logits.
         token_loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
         ).view(batch.shape[0], -1)
         loss = (token_loss * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        if spec.experts:
+            loss = loss + spec.router_aux_coef * out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -165,7 +171,7 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
 def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
     settings = asdict(spec)
     if not spec.experts:  # the dense model's key predates the MoE settings
-        for key in ("experts", "experts_per_token", "expert_size"):
+        for key in ("experts", "experts_per_token", "expert_size", "router_aux_coef"):
             settings.pop(key)
     digest = hashlib.sha256(json.dumps([settings, corpus]).encode())
     return digest.hexdigest()[:16]

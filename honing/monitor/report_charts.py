@@ -291,7 +291,29 @@ def timing_chart(run: RunData) -> Chart:
 
 
 def charts(run: RunData) -> list[Chart]:
-    """Every chart of the report, in page order."""
+    """Every chart of the report, in page order (the mixture-of-experts chart only for a run
+    that logged ``moe/`` metrics)."""
+    return _common_charts(run) + (
+        [
+            simple_chart(
+                run,
+                "Mixture of experts",
+                [
+                    "moe/load_violation/max",
+                    "moe/load_violation/mean",
+                    "moe/router_entropy",
+                    "moe/rollout_router_match",
+                    "moe/aux_loss",
+                ],
+                y_floor=0.0,
+            )
+        ]
+        if run.has("moe/load_violation/max")
+        else []
+    )
+
+
+def _common_charts(run: RunData) -> list[Chart]:
     return [
         reward_chart(run),
         validation_chart(run),

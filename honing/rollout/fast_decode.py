@@ -34,6 +34,7 @@ from honing.models.llama_block import (
     Norm,
     Projection,
     head_norms,
+    is_moe_block,
     linear_params,
     moe_forward,
     norm_heads,
@@ -46,7 +47,6 @@ from honing.models.llama_block import (
     supports,
     unwrap,
 )
-from honing.models.moe import is_moe_block
 
 __all__ = ["FastDecoder", "supports", "unwrap"]
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from honing.models.llama_block import (
     head_norms,
+    is_moe_block,
     moe_forward,
     norm_heads,
     norm_of,
@@ -40,7 +41,6 @@ from honing.models.llama_block import (
     supports,
     unwrap,
 )
-from honing.models.moe import is_moe_block
 from honing.trainer.head import head_logprobs
 
 
@@ -280,7 +280,8 @@ def packed_response_logprobs(
     layout = layout_of(model, batch)
     model = unwrap(model)
     inner = model.model
-    x = F.embedding(layout.ids, inner.embed_tokens.weight)  # [N, E]
+    embed = inner.embed_tokens  # as nn.Embedding: no gradient reaches the padding row
+    x = F.embedding(layout.ids, embed.weight, padding_idx=embed.padding_idx)  # [N, E]
     cos, sin = rotary(inner.rotary_emb.inv_freq, layout.positions, x.dtype)  # [N, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: broadcast over heads
     for layer in inner.layers:

@@ -269,3 +269,15 @@ def test_the_timing_chart_draws_each_second_once():
     stages = stage_times(RunData(Path("."), [record], [], []))
     assert stages["prepare"] == {1: pytest.approx(0.05)}
     assert sum(values[1] for values in stages.values()) == pytest.approx(1.05)
+
+
+def test_a_mixture_of_experts_run_gets_its_routing_chart(run_dir):
+    dense = parse(write_report(run_dir))
+    assert "Mixture of experts" not in dense.cards  # a dense run: no empty card
+    records = [
+        step_record(step) | {"moe/load_violation/max": 0.5, "moe/rollout_router_match": 0.9}
+        for step in range(1, 4)
+    ]
+    write_jsonl(run_dir / "metrics.jsonl", records)
+    card = parse(write_report(run_dir)).cards["Mixture of experts"]
+    assert card["svg"] == 1 and card["data"]

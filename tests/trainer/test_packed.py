@@ -227,3 +227,27 @@ def collate_on(batch, device: torch.device):
         if isinstance(getattr(batch, f.name), torch.Tensor)
     }
     return replace(batch, layouts={}, **moved)
+
+
+def test_a_sampled_pad_token_gets_no_embedding_gradient_as_in_the_models_forward(model):
+    """An untrained policy can sample the pad id as a real token: HF's embedding (its
+    ``padding_idx``) gives that row no gradient from its inputs (a tied head still gives it
+    one), and so must the packed forward."""
+    pad = model.config.pad_token_id or 0
+    assert model.get_input_embeddings().padding_idx == pad
+    rollouts = [
+        Rollout("0", 0, [5, 6, 7], [9, pad, 11], [-1.0] * 3, "stop", 0, ""),
+        Rollout("0", 1, [5, 6, 7], [12, 13], [-1.0] * 2, "stop", 0, ""),
+    ]
+    batch = collate(rollouts, pad_id=pad, device=CPU)
+    model.train()
+
+    def embedding_gradient(packed: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = response_logprobs(model, batch, packed=packed)
+        (logprobs * batch.response_mask).sum().backward()
+        return model.get_input_embeddings().weight.grad.clone()
+
+    expected, packed = embedding_gradient(False), embedding_gradient(True)
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=1e-4)
+    model.eval()
