@@ -1,6 +1,7 @@
 """Mixture-of-experts measurements on builtin:tiny-moe (examples/arithmetic_moe.yaml).
 
     .venv/bin/python -m benchmarks.moe replay --steps 24   # routing mismatch, off / R2 / R3
+    .venv/bin/python -m benchmarks.moe paired --batches 20 # the same batches, off vs R3
     .venv/bin/python -m benchmarks.moe learn               # GRPO vs GSPO, R3 on and off
     .venv/bin/python -m benchmarks.moe speed --rounds 3    # MoE fast paths vs HF forward
 
@@ -8,17 +9,24 @@
 ``trainer.autocast=bfloat16`` (the trainer's passes in bf16, generation in float32), each with
 ``algorithm.routing_replay`` off, R2 and R3: the medians over the steps of
 ``moe/rollout_router_match`` and ``rollout_mismatch/kl`` (two PPO epochs, so that the old
-pass runs and R2 has passes to replay into). ``learn``: the example's budget for each of
-GRPO (ppo_clip) and GSPO, with R3 and without; greedy validation accuracy at the start and
-the end and the wall time (one seed). ``speed``: the example's steps with the lean paths
-(rollout.fast_decode, trainer.packed_forward) on and off, alternating; medians of the
-generation and update seconds. Each writes benchmarks/results/moe_<command>.json and .md.
+pass runs and R2 has passes to replay into); each run follows its own trajectory.
+``paired``: the same rollouts scored by the trainer with replay off and with R3, so that
+nothing but the replay differs: per batch of 16 prompts x 8 samples from the float32 engine,
+(a) the trainer's pass under bf16 autocast and (b) the pass of the policy one update later
+(a GRPO step at lr 1e-4 on that batch: what one_step trains on); medians over the batches of
+the router match and the k3 KL to the behaviour logprobs. ``learn``: the example's budget
+for each of GRPO (ppo_clip) and GSPO, with R3 and without; greedy validation accuracy at
+the start and the end and the wall time (one seed). ``speed``: the example's steps with the
+lean paths (rollout.fast_decode, trainer.packed_forward) on and off, alternating; medians
+of the generation and update seconds. Each writes benchmarks/results/moe_<command>.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -97,17 +105,146 @@ def replay(args) -> dict:
     return {"rows": rows, "table": lines}
 
 
+def paired(args) -> dict:
+    import copy
+
+    import torch
+
+    from honing.algorithms import get_advantage
+    from honing.algorithms.mismatch import mismatch_metrics
+    from honing.config import build_config
+    from honing.data.arithmetic import arithmetic_prompts
+    from honing.models.loading import load_causal_lm, load_tokenizer
+    from honing.models.moe import RouterStats, moe_metrics, routers_of
+    from honing.pipeline.components import resolve_model_path
+    from honing.rollout.base import GenerationRequest, SamplingParams
+    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.trainer.batch import RouterTap, collate, response_logprobs
+    from honing.trainer.engine import OneProcess, TrainedModule
+    from honing.trainer.update import UpdateSettings, update_policy
+
+    torch.manual_seed(0)
+    config = build_config({"model.path": "builtin:tiny-moe"})
+    path = resolve_model_path(config)
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, tokenizer, dtype="float32", device="cpu")
+    routers = routers_of(model)
+    prompts = arithmetic_prompts("train", 16 * args.batches, seed=1, max_digits=2)
+    engine = TransformersEngine(model, tokenizer, device=torch.device("cpu"))
+    sampling = SamplingParams(n=8, max_new_tokens=4, temperature=1.0, max_seq_len=64)
+
+    def measure(policy, batch, replay: bool, bf16: bool, affected=None) -> dict:
+        """Router match and k3 KL to the behaviour logprobs of the trainer's pass; with
+        ``record`` (no ``affected`` yet), also which response tokens the live routing
+        changes: those with a differing decision at their input or an earlier position."""
+        batch.replay = batch.rollout_routing if replay else None
+        tap = RouterTap(stats=RouterStats(), record=affected is None)
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else _nothing()
+        with torch.no_grad(), context:
+            logprobs, _ = response_logprobs(policy, batch, packed=True, tap=tap)
+        stats = {k: float(v) for k, v in tap.stats.sums().items()}
+        if affected is None:
+            plan = batch.rollout_routing
+            differs = (tap.recorded.sort(-1).values != plan.sort(-1).values).flatten(2).any(-1)
+            differs &= plan[:, :, 0, 0] >= 0
+            width, start = batch.responses.shape[1], batch.prompt_width - 1
+            seen = differs.cumsum(-1) > 0  # [B, P + R]: a differing decision so far
+            affected = seen[:, start : start + width] & batch.response_mask.bool()
+        mask = batch.response_mask
+        kl = mismatch_metrics(logprobs.float(), batch.behaviour_logprobs, mask)
+        kl_affected = mismatch_metrics(logprobs.float(), batch.behaviour_logprobs, affected)
+        match = moe_metrics(stats, routers.layers, routers.num_experts)
+        return {
+            "match": match["moe/rollout_router_match"],
+            "kl": float(kl["rollout_mismatch/kl"]),
+            "kl_affected": float(kl_affected["rollout_mismatch/kl"]) if affected.any() else None,
+            "affected_share": float(affected.sum() / mask.sum()),
+            "affected": affected,
+        }
+
+    values: dict[tuple[str, str], list[dict]] = {}
+    for number in range(args.batches):
+        chunk = prompts[16 * number : 16 * (number + 1)]
+        requests = [
+            GenerationRequest(p.id, tokenizer.encode(p.prompt, add_special_tokens=False), i)
+            for i, p in enumerate(chunk)
+        ]
+        sampling = dataclasses.replace(sampling, seed=number)
+        model.eval()
+        rollouts = engine.generate(requests, sampling)
+        batch = collate(rollouts, tokenizer.pad_token_id, torch.device("cpu"))
+        scores = torch.tensor(
+            [float(r.text.strip() == chunk[r.group_index].ground_truth) for r in rollouts]
+        )
+        groups = torch.tensor([r.group_index for r in rollouts])
+        advantages, _ = get_advantage("grpo")(scores, batch.response_mask, groups)
+        later = copy.deepcopy(model)
+        trainer = TrainedModule(
+            "policy", later, torch.optim.AdamW(later.parameters(), lr=1e-4), layout=OneProcess()
+        )
+        update_policy(trainer, batch, advantages, UpdateSettings())
+        later.eval()
+        for scenario, policy, bf16 in (
+            ("bf16 autocast", model, True),
+            ("one update later", later, False),
+        ):
+            live = measure(policy, batch, False, bf16)
+            replayed = measure(policy, batch, True, bf16, affected=live["affected"])
+            values.setdefault((scenario, "off"), []).append(live)
+            values.setdefault((scenario, "R3"), []).append(replayed)
+    rows = []
+    for (scenario, mode), runs in values.items():
+        with_affected = [r["kl_affected"] for r in runs if r["kl_affected"] is not None]
+        rows.append(
+            {
+                "scenario": scenario,
+                "routing_replay": mode,
+                "batches": len(runs),
+                "router_match": statistics.median(r["match"] for r in runs),
+                "mismatch_kl": statistics.median(r["kl"] for r in runs),
+                "affected_share": statistics.median(r["affected_share"] for r in runs),
+                "kl_affected": statistics.fmean(with_affected) if with_affected else None,
+                "kl_mean": statistics.fmean(r["kl"] for r in runs),
+            }
+        )
+    lines = [
+        "| scenario | routing_replay | batches | router match | KL, all tokens (median) "
+        "| KL, all tokens (mean) | tokens the live routing changes | KL on those (mean) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['scenario']} | {r['routing_replay']} | {r['batches']} | {r['router_match']:.4f} "
+        f"| {r['mismatch_kl']:.3e} | {r['kl_mean']:.3e} | {100 * r['affected_share']:.1f}% | "
+        + ("" if r["kl_affected"] is None else f"{r['kl_affected']:.3e}")
+        + " |"
+        for r in rows
+    ]
+    return {"rows": rows, "table": lines}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def learn(args) -> dict:
     rows = []
     for loss in ("ppo_clip", "gspo"):
         for mode in ("off", "R3"):
             overrides = [f"algorithm.policy_loss={loss}", f"algorithm.routing_replay={mode}"]
+            if args.off_policy:  # four optimizer steps per batch: the ratios leave 1
+                overrides += ["trainer.mini_batch_size=8", "trainer.ppo_epochs=2"]
             if args.steps:
                 overrides.append(f"trainer.total_steps={args.steps}")
             _, summary, wall = train(overrides)
+            curve = {point["step"]: point["val/accuracy"] for point in summary["curve"]}
             row = {
                 "policy_loss": loss,
                 "routing_replay": mode,
+                "val_accuracy_at": {step: curve.get(step) for step in (50, 100, 200)},
                 "val_accuracy_start": summary["val_accuracy_start"],
                 "val_accuracy_end": summary["val_accuracy_end"],
                 "gain_points": round(
@@ -119,12 +256,15 @@ def learn(args) -> dict:
             rows.append(row)
             print(row, flush=True)
     lines = [
-        "| policy loss | routing_replay | val/accuracy start → end | gain | training s |",
-        "|---|---|---|---:|---:|",
+        "| policy loss | routing_replay | val/accuracy start → end | at step 50 / 100 / 200 "
+        "| gain | training s |",
+        "|---|---|---|---|---:|---:|",
     ]
     lines += [
         f"| {r['policy_loss']} | {r['routing_replay']} | {r['val_accuracy_start']:.3f} → "
-        f"{r['val_accuracy_end']:.3f} | {r['gain_points']:+.1f} | {r['train_s']:.0f} |"
+        f"{r['val_accuracy_end']:.3f} | "
+        + " / ".join(f"{v:.3f}" for v in r["val_accuracy_at"].values() if v is not None)
+        + f" | {r['gain_points']:+.1f} | {r['train_s']:.0f} |"
         for r in rows
     ]
     return {"rows": rows, "table": lines}
@@ -166,24 +306,46 @@ def speed(args) -> dict:
     return {"medians": medians, "table": lines}
 
 
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("replay", "learn", "speed"))
+    parser.add_argument("command", choices=("replay", "paired", "learn", "speed"))
     parser.add_argument("--steps", type=int, default=0, help="steps per run (0: command default)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument(
+        "--off-policy", action="store_true", help="learn: 2 mini-batches x 2 epochs per batch"
+    )
     args = parser.parse_args()
-    args.steps = args.steps or {"replay": 24, "learn": 0, "speed": 12}[args.command]
+    args.steps = args.steps or {"replay": 24, "paired": 0, "learn": 0, "speed": 12}[args.command]
     started = time.perf_counter()
-    result = {"replay": replay, "learn": learn, "speed": speed}[args.command](args)
+    result = {"replay": replay, "paired": paired, "learn": learn, "speed": speed}[args.command](
+        args
+    )
+    options = {
+        "replay": f"--steps {args.steps}",
+        "paired": f"--batches {args.batches}",
+        "learn": (f"--steps {args.steps}" if args.steps else "")
+        + (" --off-policy" if args.off_policy else ""),
+        "speed": f"--steps {args.steps} --rounds {args.rounds}",
+    }[args.command]
     result |= {
-        "command": f"python -m benchmarks.moe {args.command} --steps {args.steps}"
-        + (f" --rounds {args.rounds}" if args.command == "speed" else ""),
+        "command": f"python -m benchmarks.moe {args.command} {options}".strip(),
         "config": CONFIG,
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, 2 cores",
+        "machine": f"{_cpu()}, {os.cpu_count()} cores",
         "seconds": round(time.perf_counter() - started, 1),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"moe_{args.command}"
+    name = f"moe_{args.command}" + ("_off_policy" if args.off_policy else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     header = f"`{result['command']}` on {result['machine']} ({CONFIG}, one seed)\n\n"
     (RESULTS / f"{name}.md").write_text(header + "\n".join(result["table"]) + "\n")

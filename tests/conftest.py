@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from honing.data import warmstart_corpus
+from honing.models.loading import load_tokenizer, save_model
 from honing.models.tiny import TinySpec, build_tiny_model
+from tests.models.moe_models import moe_model
 
 MICRO_SPEC = TinySpec(
     hidden_size=32,
@@ -49,3 +51,18 @@ def run_config():
     from pipeline._configs import small_run_config
 
     return small_run_config
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory, micro_model_dir):
+    """Model directories of small random MoE families with the micro model's tokenizer."""
+    tokenizer = load_tokenizer(micro_model_dir)
+    root = tmp_path_factory.mktemp("moe")
+    dirs = {}
+    for family in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        model = moe_model(family, len(tokenizer), tokenizer.pad_token_id)
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        save_model(model, tokenizer, root / family)
+        dirs[family] = root / family
+    return dirs

@@ -4,32 +4,14 @@ router losses under each schedule, the metrics they log, and what is refused up 
 import json
 
 import pytest
-import torch
 
 from honing.backends.launch import train
 from honing.config import build_config
 from honing.errors import ConfigError
-from honing.models.loading import load_tokenizer, save_model
 from honing.pipeline.rules import check_config
-from tests.models.moe_models import moe_model
 from tests.monitor.test_sinks import tensorboard_scalars
 
 from ._configs import small_run_config
-
-
-@pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory, micro_model_dir):
-    """Model directories of small random MoE families with the micro model's tokenizer."""
-    tokenizer = load_tokenizer(micro_model_dir)
-    root = tmp_path_factory.mktemp("moe")
-    dirs = {}
-    for family in ("qwen3_moe", "mixtral", "deepseek_v3"):
-        model = moe_model(family, len(tokenizer), tokenizer.pad_token_id)
-        model.config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        save_model(model, tokenizer, root / family)
-        dirs[family] = root / family
-    return dirs
 
 
 def step_metrics(run_dir):
@@ -60,11 +42,12 @@ def test_every_family_trains_with_its_routing_metrics(tmp_path, moe_dirs, digit_
     "overrides",
     [
         {"schedule.mode": "one_step", "algorithm.routing_replay": "R3"},
+        {"schedule.mode": "async", "algorithm.routing_replay": "R3"},
         {"algorithm.routing_replay": "R2", "trainer.ppo_epochs": 2},
         {"algorithm.router_aux_coef": 0.01, "algorithm.router_z_coef": 0.001},
         {"algorithm.routing_replay": "R3", "model.lora_rank": 4, "trainer.autocast": "bfloat16"},
     ],
-    ids=["one_step-R3", "R2", "router-losses", "lora-bf16-R3"],
+    ids=["one_step-R3", "async-R3", "R2", "router-losses", "lora-bf16-R3"],
 )
 def test_replay_and_router_losses_train(tmp_path, moe_dirs, digit_reward, overrides):
     values = QUICK | overrides
@@ -127,10 +110,10 @@ def test_the_documented_imbalance_alert_parses_and_fires():
 def test_two_sharded_ranks_replay_the_rollouts_experts(tmp_path, moe_dirs, digit_reward):
     """R3 under trainer.strategy=fsdp: two gloo ranks, each routing its rows as the rollout
     did, train what one process does."""
+    from transformers import AutoModelForCausalLM
+
     from .test_data_parallel_run import assert_same_moves
     from .test_sharded_run import run
-
-    from transformers import AutoModelForCausalLM
 
     args = (moe_dirs["qwen3_moe"], digit_reward)
     replay = {"algorithm.routing_replay": "R3"}
@@ -151,3 +134,15 @@ def test_two_sharded_ranks_replay_the_rollouts_experts(tmp_path, moe_dirs, digit
     # only in prompts get gradients near AdamW's eps (1e-8), where the last bits of a sum in
     # another order move the first step by a visible fraction of lr (seen: 1.0e-2 of the move)
     assert_same_moves(two_step.state_dict(), one_step.state_dict(), before, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_generation_spread_over_ranks_carries_the_experts(tmp_path, moe_dirs, digit_reward):
+    """Replicated ranks that each sample their share of the prompts hand their rollouts'
+    experts to rank 0 with them: R3 replays what each rank's routers chose."""
+    from .test_sharded_run import run
+
+    spread = {"algorithm.routing_replay": "R3", "pipeline.spread_generation": True}
+    args = (moe_dirs["qwen3_moe"], digit_reward)
+    two, _, _ = run(tmp_path, "two", *args, 2, 2, strategy="replicate", **spread)
+    assert [m["moe/rollout_router_match"] for m in two] == [1.0, 1.0]

@@ -367,3 +367,19 @@ def test_scale_names_a_run_that_is_not_training(cluster, tmp_path, capsys):
     assert cli.main(["scale", str(tmp_path), "--rollout-workers", "2"]) == 2
     assert "no run with pipeline.backend=ray" in capsys.readouterr().err
     assert cli.main(["scale", str(tmp_path)]) == 2
+
+
+def test_workers_record_each_tokens_experts_for_replay(cluster, tmp_path, moe_dirs, digit_reward):
+    """R3 with rollout workers: the workers' rollouts carry the experts their routers chose,
+    and the trainer replays them (its live routers agree at the weights they sampled with)."""
+    overrides = {
+        "pipeline.backend": "ray",
+        "algorithm.routing_replay": "R3",
+        "trainer.total_steps": 2,
+        "trainer.val_at_start": False,
+    }
+    config = small_run_config(moe_dirs["qwen3_moe"], digit_reward, **overrides)
+    train(config, tmp_path / "run", log=lambda message: None)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if '"actor/pg_loss"' in line]
+    assert [step["moe/rollout_router_match"] for step in steps] == [1.0, 1.0]

@@ -290,3 +290,31 @@ def test_a_lora_run_sends_the_servers_its_policy_merged(
     assert moved > 1e-3  # the adapters trained: not the base model's logprobs
     engine.load_weights(0, model.state_dict())  # back, for the other tests
     engine.close()
+
+
+def test_a_server_returns_its_mixture_of_experts_routing_for_replay(
+    moe_dirs, digit_reward, tmp_path, run_config
+):
+    """``honing serve rollout`` of an MoE policy answers with vLLM's routed-experts fields;
+    the engine reads them into the rollouts and an R3 run replays them (the trainer's live
+    routers agree with the server's at the weights it sampled with)."""
+    import json
+
+    from honing.backends.launch import train
+
+    process, url = start_service("rollout", "--model", str(moe_dirs["qwen3_moe"]))
+    try:
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"prompt": [[5, 6, 7]], "n": 2, "max_tokens": 3}
+        ).json()
+        assert len(answer["prompt_routed_experts"]) == 3  # [prompt tokens, layers, top_k]
+        assert all(len(c["routed_experts"]) == len(c["token_ids"]) - 1 for c in answer["choices"])
+        values = on_servers([url], "sync") | {"algorithm.routing_replay": "R3"}
+        cfg = run_config(moe_dirs["qwen3_moe"], digit_reward, **values | {"trainer.total_steps": 2})
+        train(cfg, tmp_path / "run", log=lambda message: None)
+    finally:
+        process.kill()
+        process.wait()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
+    assert [m["moe/rollout_router_match"] for m in steps] == [1.0, 1.0]
