@@ -339,7 +339,7 @@ def main() -> None:
         "speed": f"--steps {args.steps} --rounds {args.rounds}",
     }[args.command]
     result |= {
-        "command": f"python -m benchmarks.moe {args.command} {options}".strip(),
+        "command": " ".join(f"python -m benchmarks.moe {args.command} {options}".split()),
         "config": CONFIG,
         "machine": f"{_cpu()}, {os.cpu_count()} cores",
         "seconds": round(time.perf_counter() - started, 1),

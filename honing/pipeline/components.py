@@ -34,7 +34,7 @@ from honing.pipeline.inputs import (
     load_datasets,
     tokenize_prompts,
 )
-from honing.pipeline.rules import check_policy_routing
+from honing.pipeline.rules import check_policy_routing, check_remote_routing
 from honing.rewards import Scorer
 from honing.rollout.base import RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
@@ -201,6 +201,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
+    check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     trainers = Trainers(
         policy=policy_trainer(config, policy, layout),
         critic=critic_trainer(config, model_path, tokenizer, device, layout),

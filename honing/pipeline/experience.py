@@ -104,9 +104,24 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
             started = time.perf_counter()
             tap = RouterTap(record=True) if wanted.record_routing else None
             out["old"] = policy.layout.rowwise(logprobs_of(policy.module, tap), batch, width)
-            out["replay"] = tap.recorded if tap else None  # R2: the update passes replay it
+            if tap is not None:  # R2: the update passes replay what this pass chose
+                out["replay"] = _whole_plan(policy.layout, tap.recorded, batch)
             out["metrics"]["timing_s/old"] = time.perf_counter() - started
     return out
+
+
+def _whole_plan(layout, recorded: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """The batch's [B, P + R, L, k] plan from a pass's record: the pass's own where it ran
+    the whole batch; under a sharded layout each rank recorded its rows (trimmed to their
+    longest response), gathered here as a rowwise result."""
+    if not layout.collective:
+        return recorded
+    columns, layers, top_k = batch.input_ids.shape[1], *recorded.shape[2:]
+    shape = (len(recorded), columns, layers, top_k)
+    mine = torch.full(shape, -1, dtype=torch.int32, device=recorded.device)
+    mine[:, : recorded.shape[1]] = recorded.to(torch.int32)
+    whole = layout.rowwise(lambda rows: mine.flatten(1), batch, columns * layers * top_k)
+    return whole.view(len(batch), columns, layers, top_k).to(recorded.dtype)
 
 
 def make_experience(

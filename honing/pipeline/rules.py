@@ -145,8 +145,7 @@ def _strategy(config: Config) -> None:
 def _routing(config: Config) -> None:
     """What routing replay needs of the other keys: the rollout's experts are recorded by the
     plain decode loop (not by speculative decoding); a replayed pass must hold its plan
-    through the backward (no activation checkpointing, which reruns layers there); R2's
-    record of the old pass is one rank's (not sharded rows)."""
+    through the backward (no activation checkpointing, which reruns layers there)."""
     replay = config.algorithm.routing_replay
     if replay == "off":
         return
@@ -160,8 +159,6 @@ def _routing(config: Config) -> None:
             f"{key}: activation checkpointing reruns the layers outside the replayed pass; "
             "set model.gradient_checkpointing=false"
         )
-    if replay == "R2" and config.trainer.strategy == "fsdp":
-        raise ConfigError(f"{key} is not supported with trainer.strategy=fsdp yet; use R3")
 
 
 def check_policy_routing(config: Config, policy) -> None:
@@ -186,6 +183,24 @@ def check_policy_routing(config: Config, policy) -> None:
         raise ConfigError(
             f"algorithm.router_aux_coef: the {routers.family} family defines no "
             "load-balancing loss (DeepSeek-V3 balances its experts with a bias); set it to 0"
+        )
+
+
+def check_remote_routing(config: Config, engine, prompt_ids: list[int]) -> None:
+    """R3 with rollout servers: one greedy token from them must come with its routed experts
+    (vLLM's ``prompt_routed_experts`` and ``routed_experts``), else a ConfigError naming the
+    server option, before anything trains."""
+    if config.algorithm.routing_replay != "R3" or config.rollout.engine != "openai":
+        return
+    from honing.rollout.base import GenerationRequest, SamplingParams
+
+    probe = SamplingParams(n=1, max_new_tokens=1, greedy=True, max_seq_len=len(prompt_ids) + 1)
+    [rollout] = engine.generate([GenerationRequest("routing-probe", prompt_ids, 0)], probe)
+    if rollout.routed_experts is None:
+        raise ConfigError(
+            "algorithm.routing_replay=R3: the servers at rollout.endpoints return no routed "
+            "experts; start vLLM with --enable-return-routed-experts (honing serve rollout "
+            "returns them for a mixture-of-experts policy), or set algorithm.routing_replay=off"
         )
 
 

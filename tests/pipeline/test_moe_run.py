@@ -71,7 +71,6 @@ def test_yaml_off_reads_as_off():
     [
         ({"rollout.speculative": "ngram"}, "speculative decoding records no routed experts"),
         ({"model.gradient_checkpointing": True}, "activation checkpointing"),
-        ({"trainer.strategy": "fsdp", "algorithm.routing_replay": "R2"}, "fsdp"),
     ],
 )
 def test_combinations_replay_cannot_take_are_refused(overrides, message):
@@ -146,3 +145,37 @@ def test_generation_spread_over_ranks_carries_the_experts(tmp_path, moe_dirs, di
     args = (moe_dirs["qwen3_moe"], digit_reward)
     two, _, _ = run(tmp_path, "two", *args, 2, 2, strategy="replicate", **spread)
     assert [m["moe/rollout_router_match"] for m in two] == [1.0, 1.0]
+
+
+def test_servers_that_return_no_routed_experts_are_refused_at_the_start():
+    """A stand-in for a vLLM started without --enable-return-routed-experts (the path with
+    honing's own server, which returns them, runs in tests/rollout/test_openai_engine.py)."""
+    from honing.pipeline.rules import check_remote_routing
+    from honing.types import Rollout
+
+    class Server:
+        def generate(self, requests, params):
+            return [Rollout("p", 0, [5, 6], [7], [-0.1], "length", 0, "x")]
+
+    config = build_config({"rollout.engine": "openai", "algorithm.routing_replay": "R3"})
+    with pytest.raises(ConfigError, match="--enable-return-routed-experts"):
+        check_remote_routing(config, Server(), [5, 6])
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_replay_their_old_pass_under_r2(tmp_path, moe_dirs, digit_reward):
+    """R2 under fsdp: each rank records the old pass of its rows, the plan is gathered, and
+    the update passes replay it: what they route before the first optimizer step (the
+    experts' loads counted from the replayed plan) is one process's. (After it, Adam's
+    first steps on near-zero gradients part the two runs' weights in the last bits.)"""
+    from .test_sharded_run import run
+
+    args = (moe_dirs["qwen3_moe"], digit_reward)
+    r2 = {"algorithm.routing_replay": "R2", "trainer.ppo_epochs": 2}
+    padded = r2 | {"trainer.packed_forward": False}
+    one, _, _ = run(tmp_path, "one", *args, 1, 1, strategy="replicate", **padded)
+    two, _, _ = run(tmp_path, "two", *args, 2, 1, **r2)
+    keys = ["critic/score/mean", "rollout_mismatch/kl", "moe/rollout_router_match"]
+    keys += [key for key in one[0] if key.startswith("moe/layer") or "load_violation" in key]
+    for key in keys:
+        assert abs(one[0][key] - two[0][key]) <= 1e-6 * max(1.0, abs(one[0][key])), key
