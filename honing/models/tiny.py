@@ -78,42 +78,33 @@ def build_tokenizer():
 def _new_model(spec: TinySpec, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads,
+        "max_position_embeddings": spec.max_positions,
+        "tie_word_embeddings": True,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
     if spec.experts:
         config = Qwen3MoeConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
+            **common,
             moe_intermediate_size=spec.expert_size,
             num_experts=spec.experts,
             num_experts_per_tok=spec.experts_per_token,
             norm_topk_prob=True,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_heads,
             head_dim=spec.hidden_size // spec.num_heads,
-            max_position_embeddings=spec.max_positions,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.bos_token_id,
         )
-        torch.manual_seed(spec.seed)
-        return Qwen3MoeForCausalLM(config)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+        model_class = Qwen3MoeForCausalLM
+    else:
+        config, model_class = LlamaConfig(**common), LlamaForCausalLM
     torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
 def _encode_pairs(tokenizer, corpus: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
