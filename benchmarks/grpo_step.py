@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.grpo_report import write_markdown
-from benchmarks.grpo_workloads import ModelSpec, build_model_dir, peer_problems, write_rows
+from benchmarks.grpo_workloads import ModelSpec, build_model_dir, peer_data
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -248,10 +248,7 @@ def held(lock: str):
 def compare(work: Workload, args: argparse.Namespace, threads: int) -> dict:
     """Alternating pairs of runs of ``work``; returns both systems' pooled figures."""
     model_dir = WORK / "models" / work.model.name
-    data = {
-        "train": write_rows(WORK / "data" / "train.jsonl", peer_problems(256, SEED)),
-        "val": write_rows(WORK / "data" / "val.jsonl", peer_problems(8, SEED + 1)),
-    }
+    data = peer_data(WORK, SEED)
     runs: dict[str, list[dict]] = {"trl": [], "honing": []}
     with held(args.lock):
         params = build_model_dir(work.model, model_dir, SEED)  # CPU-heavy: inside the lock

@@ -121,6 +121,25 @@ def peer_problems(count: int, seed: int) -> list[tuple[str, str]]:
     return problems
 
 
+def peer_data(work: Path, seed: int) -> dict[str, Path]:
+    """The peer workload's train (256) and validation (8) problems as JSONL under ``work``."""
+    return {
+        "train": write_rows(work / "data" / "train.jsonl", peer_problems(256, seed)),
+        "val": write_rows(work / "data" / "val.jsonl", peer_problems(8, seed + 1)),
+    }
+
+
+def alternating(rounds: int, names) -> list[tuple[int, str]]:
+    """``(round, name)`` for every round, each round in the other order than the one before,
+    so that drift on the machine falls on every variant alike."""
+    names = list(names)
+    return [
+        (index, name)
+        for index in range(rounds)
+        for name in (names if index % 2 == 0 else names[::-1])
+    ]
+
+
 def write_rows(path: Path, problems: list[tuple[str, str]]) -> Path:
     """The problems as JSONL in verl's row schema (honing's ``data.train_files``)."""
     path.parent.mkdir(parents=True, exist_ok=True)

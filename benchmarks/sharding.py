@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.grpo_step import M50, RESULTS, SEED, WORK, Workload, honing_overrides, revision
-from benchmarks.grpo_workloads import build_model_dir, peer_problems, write_rows
+from benchmarks.grpo_workloads import alternating, build_model_dir, peer_data
 
 VARIANTS = {
     "one": (1, 2, ["trainer.strategy=replicate"]),
@@ -106,24 +106,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_dir = WORK / "models" / M50.name
     build_model_dir(M50, model_dir, SEED)
-    data = {
-        "train": write_rows(WORK / "data" / "train.jsonl", peer_problems(256, SEED)),
-        "val": write_rows(WORK / "data" / "val.jsonl", peer_problems(8, SEED + 1)),
-    }
+    data = peer_data(WORK, SEED)
     code, started = revision(), time.time()
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for round_index in range(args.rounds):
-        order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
-        for name in order:
-            out = WORK / "runs" / "sharding" / f"{round_index}_{name}"
-            runs[name].append(run(name, args.steps, model_dir, data, out))
-            last = runs[name][-1]
-            print(
-                f"round {round_index} {name:9s}: step {last['timing_s/step']:.2f} s, "
-                f"model state {last['memory/model_state_mb']:.0f} MB, "
-                f"peak RSS {[round(x) for x in last['peak_rss_mb']]} MB",
-                flush=True,
-            )
+    for round_index, name in alternating(args.rounds, VARIANTS):
+        out = WORK / "runs" / "sharding" / f"{round_index}_{name}"
+        runs[name].append(run(name, args.steps, model_dir, data, out))
+        last = runs[name][-1]
+        print(
+            f"round {round_index} {name:9s}: step {last['timing_s/step']:.2f} s, "
+            f"model state {last['memory/model_state_mb']:.0f} MB, "
+            f"peak RSS {[round(x) for x in last['peak_rss_mb']]} MB",
+            flush=True,
+        )
     medians = {
         name: {
             **{key: statistics.median(r[key] for r in results) for key in FIGURES},

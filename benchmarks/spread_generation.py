@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.grpo_step import M10, RESULTS, SEED, WORK, Workload, honing_overrides, revision
-from benchmarks.grpo_workloads import build_model_dir, peer_problems, write_rows
+from benchmarks.grpo_workloads import alternating, build_model_dir, peer_data
 
 WORKLOAD = Workload("m10_t128", M10, 128, 0.0, 1, 1)
 VARIANTS = {
@@ -66,19 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_dir = WORK / "models" / M10.name
     build_model_dir(M10, model_dir, SEED)
-    data = {
-        "train": write_rows(WORK / "data" / "train.jsonl", peer_problems(256, SEED)),
-        "val": write_rows(WORK / "data" / "val.jsonl", peer_problems(8, SEED + 1)),
-    }
+    data = peer_data(WORK, SEED)
     code, started = revision(), time.time()
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for round_index in range(args.rounds):
-        order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
-        for name in order:
-            out = WORK / "runs" / "spread_generation" / f"{round_index}_{name}"
-            runs[name].append(run(name, args.steps, model_dir, data, out))
-            figures = ", ".join(f"{s} {runs[name][-1][s]:.3f} s" for s in STAGES)
-            print(f"round {round_index} {name:6s}: {figures}", flush=True)
+    for round_index, name in alternating(args.rounds, VARIANTS):
+        out = WORK / "runs" / "spread_generation" / f"{round_index}_{name}"
+        runs[name].append(run(name, args.steps, model_dir, data, out))
+        figures = ", ".join(f"{s} {runs[name][-1][s]:.3f} s" for s in STAGES)
+        print(f"round {round_index} {name:6s}: {figures}", flush=True)
     medians = {
         name: {s: statistics.median(r[s] for r in results) for s in STAGES}
         for name, results in runs.items()
