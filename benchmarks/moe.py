@@ -115,7 +115,7 @@ def paired(args) -> dict:
     from honing.config import build_config
     from honing.data.arithmetic import arithmetic_prompts
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.models.moe import RouterStats, moe_metrics, routers_of
+    from honing.models.moe import RouterStats, host_sums, moe_metrics, routers_of
     from honing.pipeline.components import resolve_model_path
     from honing.rollout.base import GenerationRequest, SamplingParams
     from honing.rollout.transformers_engine import TransformersEngine
@@ -142,7 +142,7 @@ def paired(args) -> dict:
         context = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else _nothing()
         with torch.no_grad(), context:
             logprobs, _ = response_logprobs(policy, batch, packed=True, tap=tap)
-        stats = {k: float(v) for k, v in tap.stats.sums().items()}
+        stats = host_sums(tap.stats.sums())
         if affected is None:
             plan = batch.rollout_routing
             differs = (tap.recorded.sort(-1).values != plan.sort(-1).values).flatten(2).any(-1)

@@ -188,7 +188,7 @@ class RouterStats:
     compared: torch.Tensor | None = None  # [L] decisions with a reference
 
     def sums(self) -> dict[str, torch.Tensor]:
-        """Flat named scalars (for a sum across processes)."""
+        """Flat named scalars (for a sum across processes); ``host_sums`` reads them."""
         out = {}
         for name in ("load", "entropy", "tokens", "matched", "compared"):
             value = getattr(self, name)
@@ -196,6 +196,16 @@ class RouterStats:
                 for i, x in enumerate(value.reshape(-1)):
                     out[f"{name}/{i}"] = x
         return out
+
+
+def host_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``RouterStats.sums`` (summed across processes or not) as floats, read from the device
+    in one transfer rather than one per expert and layer."""
+    names = list(sums)
+    if not names:
+        return {}
+    values = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64) for name in names])
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def moe_metrics(sums: dict[str, float], layers: int, experts: int) -> dict[str, float]:
@@ -243,7 +253,7 @@ class RoutingSession:
             entries -1 are not compared.
         real: [N] bool, the tokens counted in ``stats`` and router losses (not padding).
         record: keep the experts used by every call (``recorded``).
-        stats: a ``RouterStats`` to add this session's sums to.
+        stats: a ``RouterStats`` to add the sums of the passes run inside ``with`` to.
         keep_logits: keep each layer's router logits (with gradient) of the real tokens,
             for router losses (``logits``).
 

@@ -126,9 +126,9 @@ class OpenAIEngine(RolloutEngine):
         choices = [future.result() for future in futures]
         seconds = time.perf_counter() - started
         rollouts = []
-        for request, (group, version) in zip(requests, choices, strict=True):
+        for request, (group, version, prompt_routing) in zip(requests, choices, strict=True):
             for choice in group:
-                rollouts.append(self._rollout(request, choice, version, seconds))
+                rollouts.append(self._rollout(request, choice, version, seconds, prompt_routing))
         return rollouts
 
     def _payload(self, request: GenerationRequest, params: SamplingParams, index: int) -> dict:
@@ -173,17 +173,22 @@ class OpenAIEngine(RolloutEngine):
                 raise EngineRequestError(
                     f"{endpoint.url} answered {len(choices)} choices for n={params.n}"
                 )
-            prompt_routing = answer.get("prompt_routed_experts")
-            if prompt_routing is not None:  # vLLM --enable-return-routed-experts; honing's
-                for choice in choices:
-                    choice["_prompt_routed_experts"] = prompt_routing
-            return choices, answer.get("weight_version", self.weight_version)
+            version = answer.get("weight_version", self.weight_version)
+            # vLLM's --enable-return-routed-experts (and honing's server for an MoE policy)
+            return choices, version, answer.get("prompt_routed_experts")
         raise EngineUnavailable(
             f"no rollout endpoint could serve prompt {request.prompt_id} after "
             f"{self.retries + 1} attempts: " + "; ".join(errors)
         )
 
-    def _rollout(self, request: GenerationRequest, choice: dict, version: int, seconds: float):
+    def _rollout(
+        self,
+        request: GenerationRequest,
+        choice: dict,
+        version: int,
+        seconds: float,
+        prompt_routing=None,
+    ):
         ids = choice.get("token_ids")
         logprobs = choice.get("logprobs") or {}
         if ids is None:
@@ -210,7 +215,7 @@ class OpenAIEngine(RolloutEngine):
             weight_version=int(version),
             text=text,
             gen_seconds=seconds,
-            routed_experts=_routed_experts(request, choice, len(ids)),
+            routed_experts=_routed_experts(request, prompt_routing, choice, len(ids)),
         )
 
     def take_report(self) -> tuple[dict[str, float], list]:
@@ -422,11 +427,11 @@ def _base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _routed_experts(request: GenerationRequest, choice: dict, length: int):
+def _routed_experts(request: GenerationRequest, prompt, choice: dict, length: int):
     """The experts a server's MoE routers chose for the prompt and each response token but the
     last (``Rollout.routed_experts``), from vLLM's ``prompt_routed_experts`` and the choice's
     ``routed_experts``; None when the server sent none or they do not fit the tokens."""
-    prompt, answered = choice.get("_prompt_routed_experts"), choice.get("routed_experts")
+    answered = choice.get("routed_experts")
     if prompt is None or answered is None:
         return None
     import torch

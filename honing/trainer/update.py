@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
-from honing.models.moe import RouterStats, moe_metrics, router_z_loss, routers_of
+from honing.models.moe import RouterStats, host_sums, moe_metrics, router_z_loss, routers_of
 from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
 from honing.trainer.engine import TrainerEngine
 
@@ -219,6 +219,6 @@ def update_policy(
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     if stats is not None:
-        sums = {k: float(v) for k, v in engine.reduce(stats.sums()).items()}
+        sums = host_sums(engine.reduce(stats.sums()))
         metrics |= moe_metrics(sums, routers.layers, routers.num_experts)
     return metrics
