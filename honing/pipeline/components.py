@@ -401,4 +401,17 @@ def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
         weight_dir=rollout.weight_dir,
         model_dir=str(model_dir),
         spec_metrics=rollout.speculative == "server",
+        routing=_routing_shape(local.model) if config.algorithm.routing_replay == "R3" else None,
     )
+
+
+def _routing_shape(policy):
+    """What the servers' routed experts describe for R3: the policy's MoE routers."""
+    from honing.models.moe import routers_of
+    from honing.rollout.openai_engine import RoutingShape
+
+    routers = routers_of(policy)
+    if routers is None:
+        return None
+    total = routers.model.config.num_hidden_layers
+    return RoutingShape(tuple(routers.layer_numbers), total, routers.top_k)

@@ -188,8 +188,8 @@ def check_policy_routing(config: Config, policy) -> None:
 
 def check_remote_routing(config: Config, engine, prompt_ids: list[int]) -> None:
     """R3 with rollout servers: one greedy token from them must come with its routed experts
-    (vLLM's ``prompt_routed_experts`` and ``routed_experts``), else a ConfigError naming the
-    server option, before anything trains."""
+    (vLLM's ``prompt_routed_experts`` and ``routed_experts``, or SGLang's base64 ones), else
+    a ConfigError naming the server option, before anything trains."""
     if config.algorithm.routing_replay != "R3" or config.rollout.engine != "openai":
         return
     from honing.rollout.base import GenerationRequest, SamplingParams
@@ -199,8 +199,9 @@ def check_remote_routing(config: Config, engine, prompt_ids: list[int]) -> None:
     if rollout.routed_experts is None:
         raise ConfigError(
             "algorithm.routing_replay=R3: the servers at rollout.endpoints return no routed "
-            "experts; start vLLM with --enable-return-routed-experts (honing serve rollout "
-            "returns them for a mixture-of-experts policy), or set algorithm.routing_replay=off"
+            "experts; start vLLM or SGLang with --enable-return-routed-experts (honing serve "
+            "rollout returns them for a mixture-of-experts policy), or set "
+            "algorithm.routing_replay=off"
         )
 
 

@@ -18,10 +18,20 @@ Weights: ``load_weights(version, weights)`` sends the tensors as one safetensors
 ``POST /update_weights?version=V`` on every endpoint (honing's server); with
 ``weight_sync="disk"``, ``load_weights_from_disk`` posts ``{"model_path", "version"}`` to
 ``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
+
+Routing replay (R3) of a mixture-of-experts policy: each rollout carries the experts the
+server's routers chose (``Rollout.routed_experts``), read from either server's answer. vLLM
+(``--enable-return-routed-experts``) and ``honing serve rollout`` give nested lists:
+``prompt_routed_experts`` for the prompt and, per choice, ``routed_experts`` for its tokens.
+SGLang (``--enable-return-routed-experts``, and ``return_routed_experts`` in each request,
+which the engine sends) gives base64 int32 bytes ordered token, layer, slot: per choice in its
+``meta_info``, or once per response in ``sglext.routed_experts``, which covers the first choice
+only; against such a server the engine asks for each sample of a group in a request of its own.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import shutil
@@ -54,6 +64,21 @@ class EngineRequestError(ValueError):
     """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
 
 
+@dataclass(frozen=True)
+class RoutingShape:
+    """The MoE routers a server's routed experts describe, for reading SGLang's flat bytes.
+
+    Attributes:
+        moe_layers: the decoder layer number of each MoE layer, in order.
+        num_layers: the model's decoder layers (a server may give dense ones a row of -1).
+        top_k: experts per token.
+    """
+
+    moe_layers: tuple[int, ...]
+    num_layers: int
+    top_k: int
+
+
 @dataclass
 class _Endpoint:
     url: str
@@ -73,6 +98,7 @@ class OpenAIEngine(RolloutEngine):
         timeout_s: per request. retries: other endpoints tried for a failed request.
         max_concurrency: requests in flight at once. token: bearer token, if the servers
             require one. stop_ids: token ids that end a response (counted as ``stop``).
+        routing: for R3, the policy's routers; the engine then asks for routed experts.
     """
 
     shares_policy = False  # weights must be sent: the servers hold their own copies
@@ -93,6 +119,7 @@ class OpenAIEngine(RolloutEngine):
         weight_dir: str = "",
         model_dir: str = "",
         spec_metrics: bool = False,
+        routing: RoutingShape | None = None,
     ):
         if not endpoints:
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
@@ -114,6 +141,9 @@ class OpenAIEngine(RolloutEngine):
         self.model = model or self._served_model()
         self.spec_metrics = spec_metrics  # read the servers' speculative-decoding counters
         self._spec_seen: dict[str, dict[str, float]] = {}  # endpoint -> counters last read
+        self.routing = routing
+        # set on the first answer that routes only its first choice (SGLang's sglext)
+        self.one_sample_per_request = False
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -126,9 +156,9 @@ class OpenAIEngine(RolloutEngine):
         choices = [future.result() for future in futures]
         seconds = time.perf_counter() - started
         rollouts = []
-        for request, (group, version, prompt_routing) in zip(requests, choices, strict=True):
-            for choice in group:
-                rollouts.append(self._rollout(request, choice, version, seconds, prompt_routing))
+        for request, (group, version, routes) in zip(requests, choices, strict=True):
+            for choice, routed in zip(group, routes, strict=True):
+                rollouts.append(self._rollout(request, choice, version, seconds, routed))
         return rollouts
 
     def _payload(self, request: GenerationRequest, params: SamplingParams, index: int) -> dict:
@@ -152,10 +182,32 @@ class OpenAIEngine(RolloutEngine):
             "return_token_ids": True,
             "skip_special_tokens": False,
             "stop_token_ids": sorted(self.stop_ids),
-        }
+        } | ({"return_routed_experts": True} if self.routing is not None else {})
 
     def _complete(self, request: GenerationRequest, params: SamplingParams, index: int):
+        """One prompt's group: (choices, weight version, each choice's routed experts)."""
+        if self.one_sample_per_request and params.n > 1:
+            return self._complete_one_by_one(request, params, index)
         payload = self._payload(request, params, index)
+        answer, version = self._answer(request, payload, params.n)
+        routes = [self._routed_experts(request, answer, c) for c in answer["choices"]]
+        if params.n > 1 and _routes_first_choice_only(answer):
+            self.one_sample_per_request = True  # SGLang: its sglext has the first choice's
+            return self._complete_one_by_one(request, params, index)
+        return answer["choices"], version, routes
+
+    def _complete_one_by_one(self, request, params: SamplingParams, index: int):
+        """The group as ``n`` requests of one sample each, seeded apart."""
+        choices, routes, version = [], [], self.weight_version
+        for sample in range(params.n):
+            payload = self._payload(request, params, index) | {"n": 1}
+            payload["seed"] = request_seed(payload["seed"], sample)
+            answer, version = self._answer(request, payload, 1)
+            choices += answer["choices"]
+            routes.append(self._routed_experts(request, answer, answer["choices"][0]))
+        return choices, version, routes
+
+    def _answer(self, request: GenerationRequest, payload: dict, n: int):
         errors = []
         for attempt in range(self.retries + 1):
             endpoint = self._pick()
@@ -167,15 +219,13 @@ class OpenAIEngine(RolloutEngine):
                 continue
             if attempt:
                 with self._lock:
-                    self.regenerated += params.n
+                    self.regenerated += n
             choices = answer.get("choices") or []
-            if len(choices) != params.n:
+            if len(choices) != n:
                 raise EngineRequestError(
-                    f"{endpoint.url} answered {len(choices)} choices for n={params.n}"
+                    f"{endpoint.url} answered {len(choices)} choices for n={n}"
                 )
-            version = answer.get("weight_version", self.weight_version)
-            # vLLM's --enable-return-routed-experts (and honing's server for an MoE policy)
-            return choices, version, answer.get("prompt_routed_experts")
+            return answer, answer.get("weight_version", self.weight_version)
         raise EngineUnavailable(
             f"no rollout endpoint could serve prompt {request.prompt_id} after "
             f"{self.retries + 1} attempts: " + "; ".join(errors)
@@ -187,7 +237,7 @@ class OpenAIEngine(RolloutEngine):
         choice: dict,
         version: int,
         seconds: float,
-        prompt_routing=None,
+        routed_experts=None,
     ):
         ids = choice.get("token_ids")
         logprobs = choice.get("logprobs") or {}
@@ -215,8 +265,55 @@ class OpenAIEngine(RolloutEngine):
             weight_version=int(version),
             text=text,
             gen_seconds=seconds,
-            routed_experts=_routed_experts(request, prompt_routing, choice, len(ids)),
+            routed_experts=routed_experts,
         )
+
+    def _routed_experts(self, request: GenerationRequest, answer: dict, choice: dict):
+        """The experts the server's routers chose for the prompt and each response token but
+        the last (``Rollout.routed_experts``, int8 or int16 [rows, MoE layers, top_k]), in
+        vLLM's or SGLang's form (see the module); None when the answer has none or they do not
+        fit the tokens."""
+        import torch
+
+        ids = choice.get("token_ids") or (choice.get("logprobs") or {}).get("tokens") or []
+        rows = len(request.prompt_ids) + max(len(ids) - 1, 0)
+        try:
+            if answer.get("prompt_routed_experts") is not None:  # vLLM, honing's server
+                prompt = torch.tensor(answer["prompt_routed_experts"], dtype=torch.int16)
+                answered = torch.tensor(choice.get("routed_experts"), dtype=torch.int16)
+                if answered.numel() and answered.shape[1:] != prompt.shape[1:]:
+                    return None
+                experts = torch.cat([prompt, answered.reshape(-1, *prompt.shape[1:])])[:rows]
+            else:
+                flat = (choice.get("meta_info") or {}).get("routed_experts")
+                if flat is None:
+                    flat = (answer.get("sglext") or {}).get("routed_experts")
+                experts = self._sglang_experts(flat, rows)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if experts is None or experts.dim() != 3 or len(experts) != rows:
+            return None
+        small = experts.numel() == 0 or int(experts.max()) <= 127
+        return experts.to(torch.int8) if small else experts.to(torch.int16)
+
+    def _sglang_experts(self, flat, rows: int):
+        """SGLang's base64 int32 bytes as [rows, MoE layers, top_k]; a trailing row for the
+        last token (which feeds no training position) is dropped, and so are the rows of
+        dense layers when the server lists every layer."""
+        import torch
+
+        if not isinstance(flat, str) or self.routing is None:
+            return None
+        shape = self.routing
+        values = torch.frombuffer(bytearray(base64.b64decode(flat)), dtype=torch.int32)
+        fits = itertools.product((rows, rows + 1), (len(shape.moe_layers), shape.num_layers))
+        for length, layers in fits:  # the exact length first
+            if values.numel() == length * layers * shape.top_k:
+                experts = values.reshape(-1, layers, shape.top_k)[:rows]
+                if layers != len(shape.moe_layers):
+                    experts = experts[:, list(shape.moe_layers)]
+                return experts.to(torch.int16)
+        return None
 
     def take_report(self) -> tuple[dict[str, float], list]:
         """With ``spec_metrics``: the acceptance the servers report for the calls since the
@@ -427,30 +524,13 @@ def _base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _routed_experts(request: GenerationRequest, prompt, choice: dict, length: int):
-    """The experts a server's MoE routers chose for the prompt and each response token but the
-    last (``Rollout.routed_experts``), from vLLM's ``prompt_routed_experts`` and the choice's
-    ``routed_experts``; None when the server sent none or they do not fit the tokens."""
-    answered = choice.get("routed_experts")
-    if prompt is None or answered is None:
-        return None
-    import torch
-
-    try:
-        prompt = torch.tensor(prompt, dtype=torch.int16)
-        answered = torch.tensor(answered, dtype=torch.int16)[: max(length - 1, 0)]
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    if (
-        prompt.dim() != 3
-        or len(prompt) != len(request.prompt_ids)
-        or len(answered) != max(length - 1, 0)
-        or (len(answered) and answered.shape[1:] != prompt.shape[1:])
-    ):
-        return None
-    experts = torch.cat([prompt, answered.reshape(-1, *prompt.shape[1:])])
-    small = experts.numel() == 0 or int(experts.max()) <= 127
-    return experts.to(torch.int8) if small else experts
+def _routes_first_choice_only(answer: dict) -> bool:
+    """SGLang's completions put the routed experts once per response (``sglext``), for the
+    first choice alone."""
+    sglext = answer.get("sglext") or {}
+    choices = answer.get("choices") or []
+    per_choice = any((c.get("meta_info") or {}).get("routed_experts") for c in choices)
+    return sglext.get("routed_experts") is not None and not per_choice
 
 
 def _token_id(token: str) -> int:

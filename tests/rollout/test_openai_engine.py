@@ -1,6 +1,8 @@
 """Remote rollout engines: ``honing serve rollout`` processes on loopback, driven by
 ``OpenAIEngine`` the way it would drive vLLM or SGLang servers."""
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -156,7 +158,6 @@ def on_servers(servers, mode: str) -> dict:
 def test_training_samples_from_the_servers_and_sends_them_each_version(
     servers, micro_model_dir, digit_reward, tmp_path, mode, run_config
 ):
-    import json
 
     from honing.backends.launch import train
 
@@ -185,8 +186,6 @@ def test_killing_one_of_two_engines_mid_run_loses_no_sample(
     """The run goes on with the engine left; the samples of the request the dying engine
     never answered are generated again and counted (samples/regenerated); the invariant
     holds at every step. The victim dies on its 7th completion request (mid-step 3 or 4)."""
-    import json
-
     from honing.backends.launch import train
 
     victim, victim_url = start_service(
@@ -292,29 +291,131 @@ def test_a_lora_run_sends_the_servers_its_policy_merged(
     engine.close()
 
 
+class SGLangWire:
+    """An HTTP server on loopback that answers like SGLang's with
+    ``--enable-return-routed-experts``, in front of a ``honing serve rollout``: its
+    completions carry the first choice's routed experts once per response, as base64 int32
+    bytes in ``sglext.routed_experts``, one row longer than the tokens that feed training
+    (SGLang also runs the last token). Every completion request's body is kept."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+
+        self.upstream, self.bodies = upstream, []
+        wire = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._relay(None)
+
+            def do_POST(self):
+                self._relay(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def _relay(self, body):
+                headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+                answer = httpx.request(
+                    self.command, wire.upstream + self.path, content=body, headers=headers
+                )
+                content = answer.content
+                if self.path == "/v1/completions" and answer.status_code == 200:
+                    content = wire.as_sglang(json.loads(body), answer.json())
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def as_sglang(self, request: dict, answer: dict) -> bytes:
+        import base64
+
+        self.bodies.append(request)
+        prompt = answer.pop("prompt_routed_experts", None)
+        routes = [choice.pop("routed_experts", None) for choice in answer["choices"]]
+        if request.get("return_routed_experts") and prompt is not None:
+            rows = prompt + routes[0]
+            rows = rows + rows[-1:]  # the last token's row, which feeds no training position
+            flat = torch.tensor(rows, dtype=torch.int32).numpy().tobytes()
+            answer["sglext"] = {"routed_experts": base64.b64encode(flat).decode()}
+        return json.dumps(answer).encode()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_a_server_returns_its_mixture_of_experts_routing_for_replay(
     moe_dirs, digit_reward, tmp_path, run_config
 ):
-    """``honing serve rollout`` of an MoE policy answers with vLLM's routed-experts fields;
-    the engine reads them into the rollouts and an R3 run replays them (the trainer's live
-    routers agree with the server's at the weights it sampled with)."""
-    import json
-
+    """``honing serve rollout`` of an MoE policy answers with vLLM's routed-experts fields,
+    and a server speaking SGLang's form (base64, first choice only) is read too: the engine
+    asks it for one sample per request. Either way an R3 run replays the server's experts
+    (the trainer's live routers agree with them at the weights it sampled with)."""
     from honing.backends.launch import train
+    from honing.rollout.openai_engine import RoutingShape
 
     process, url = start_service("rollout", "--model", str(moe_dirs["qwen3_moe"]))
+    sglang = SGLangWire(url)
     try:
         answer = httpx.post(
             f"{url}/v1/completions", json={"prompt": [[5, 6, 7]], "n": 2, "max_tokens": 3}
         ).json()
         assert len(answer["prompt_routed_experts"]) == 3  # [prompt tokens, layers, top_k]
         assert all(len(c["routed_experts"]) == len(c["token_ids"]) - 1 for c in answer["choices"])
-        values = on_servers([url], "sync") | {"algorithm.routing_replay": "R3"}
-        cfg = run_config(moe_dirs["qwen3_moe"], digit_reward, **values | {"trainer.total_steps": 2})
-        train(cfg, tmp_path / "run", log=lambda message: None)
+        # both forms read to the same experts (greedy: the samples are the same)
+        shape = RoutingShape(moe_layers=(0, 2), num_layers=3, top_k=2)  # layer 1 is dense
+        tokenizer = load_tokenizer(moe_dirs["qwen3_moe"])
+        greedy = SamplingParams(n=2, max_new_tokens=4, greedy=True, max_seq_len=64)
+        read = []
+        for server in (url, sglang.url):
+            engine = OpenAIEngine([server], tokenizer, routing=shape)
+            read.append(engine.generate(requests_for(tokenizer), greedy))
+            engine.close()
+        for vllm_form, sglang_form in zip(*read, strict=True):
+            assert vllm_form.response_ids == sglang_form.response_ids
+            assert vllm_form.routed_experts is not None
+            assert torch.equal(vllm_form.routed_experts, sglang_form.routed_experts)
+        for name, server in (("vllm", url), ("sglang", sglang.url)):
+            values = on_servers([server], "sync") | {"algorithm.routing_replay": "R3"}
+            cfg = run_config(
+                moe_dirs["qwen3_moe"], digit_reward, **values | {"trainer.total_steps": 2}
+            )
+            train(cfg, tmp_path / name, log=lambda message: None)
     finally:
+        sglang.close()
         process.kill()
         process.wait()
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
-    assert len(steps) == 2 and all(m["moe/rollout_router_match"] >= 0.99 for m in steps)
+    for name in ("vllm", "sglang"):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        steps = [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
+        assert len(steps) == 2 and all(m["moe/rollout_router_match"] >= 0.99 for m in steps)
+    assert all(body["return_routed_experts"] for body in sglang.bodies)
+    # the first groups (sent at once) came back routed for their first choice only; from
+    # then on each sample went in a request of its own
+    groups = [i for i, body in enumerate(sglang.bodies) if body["n"] > 1]
+    singles = sglang.bodies[groups[-1] + 1 :]
+    assert groups and len(singles) > 2 * len(groups) and all(b["n"] == 1 for b in singles)
+
+
+def test_sglang_bytes_that_list_dense_layers_keep_the_moe_layers_rows():
+    """A server whose bytes give every decoder layer (dense ones as -1) is read down to the
+    MoE layers; bytes that fit neither shape are no routing at all."""
+    import base64
+
+    from honing.rollout.openai_engine import RoutingShape
+
+    engine = OpenAIEngine.__new__(OpenAIEngine)
+    engine.routing = RoutingShape(moe_layers=(1, 3), num_layers=4, top_k=2)
+    rows = torch.arange(3 * 4 * 2, dtype=torch.int32).reshape(3, 4, 2)
+    rows[:, [0, 2]] = -1
+    flat = base64.b64encode(rows.numpy().tobytes()).decode()
+    assert torch.equal(engine._sglang_experts(flat, 3), rows[:, [1, 3]].to(torch.int16))
+    assert torch.equal(engine._sglang_experts(flat, 2), rows[:2, [1, 3]].to(torch.int16))
+    assert engine._sglang_experts(flat, 4) is None
