@@ -33,7 +33,7 @@ from typing import Any
 
 from honing.checkpoint.disk import FULL_BELOW, free_bytes, is_write_failure, says_no_space
 from honing.checkpoint.manifest import verify, write_manifest
-from honing.checkpoint.mirror import Mirror
+from honing.checkpoint.mirror import Mirror, Upload, Uploader
 from honing.errors import UserError
 
 MARKER = "COMPLETE"
@@ -98,12 +98,16 @@ class CheckpointManager:
         keep: How many complete checkpoints to retain (>= 1); older ones are deleted after
             each save.
         mirror_url: Where every ``mirror_every``-th checkpoint is also copied (an fsspec URL
-            or local path); ``""`` for none. The mirror keeps every copy.
+            or local path); ``""`` for none. Copies are uploaded in the background.
         mirror_every: Mirror the checkpoints whose step is a multiple of this (>= 1).
+        mirror_keep: Copies the mirror keeps, newest first (0 = all).
+        mirror_attempts, mirror_backoff_s: Tries per upload, and the wait after the n-th
+            failed one (n × this).
         on_event: Called as ``on_event(kind, **fields)`` for ``checkpoint_corrupt``,
             ``checkpoint_verified``, ``checkpoint_failed``, ``checkpoint_refused``,
-            ``checkpoint_mirrored``, ``mirror_failed`` and ``checkpoint_from_mirror``;
-            ``None`` drops them.
+            ``checkpoint_mirrored``, ``mirror_failed``, ``mirror_unfinished`` and
+            ``checkpoint_from_mirror`` (the mirror's from the upload thread); ``None`` drops
+            them.
     """
 
     def __init__(
@@ -113,6 +117,9 @@ class CheckpointManager:
         *,
         mirror_url: str = "",
         mirror_every: int = 1,
+        mirror_keep: int = 0,
+        mirror_attempts: int = 3,
+        mirror_backoff_s: float = 1.0,
         on_event: EventSink | None = None,
     ) -> None:
         if keep < 1:
@@ -123,6 +130,9 @@ class CheckpointManager:
         self.keep = keep
         self.mirror = Mirror(mirror_url) if mirror_url else None
         self.mirror_every = mirror_every
+        self.mirror_keep = mirror_keep
+        self.mirror_retry = (mirror_attempts, mirror_backoff_s)
+        self.uploader: Uploader | None = None  # started by the first push
         self.on_event = on_event
 
     def _event(self, kind: str, **fields: Any) -> None:
@@ -210,16 +220,74 @@ class CheckpointManager:
             raise
 
     def _push_mirror(self, local: Path, step: int) -> None:
-        """Copies a fresh checkpoint to the mirror; a failure is reported, never raised."""
-        started = time.perf_counter()
+        """Queues a fresh checkpoint's upload to the mirror; a failure is reported (an event),
+        never raised: the local checkpoint stands and the next push tries again."""
+        if self.uploader is None:
+            attempts, backoff_s = self.mirror_retry
+            self.uploader = Uploader(
+                self.mirror,
+                self.mirror_keep,
+                attempts=attempts,
+                backoff_s=backoff_s,
+                on_done=self._uploaded,
+            )
         try:
-            target = self.mirror.push(local, step)
-        except Exception as err:  # the local checkpoint stands; the next push retries
+            self.uploader.submit(local, step)
+        except OSError as err:  # no room for the staging links
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
-            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason)
-            return
-        seconds = round(time.perf_counter() - started, 3)
-        self._event("checkpoint_mirrored", step=step, path=target, seconds=seconds)
+            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason, attempts=0)
+
+    def _uploaded(self, upload: Upload) -> None:
+        if upload.ok:
+            self._event(
+                "checkpoint_mirrored",
+                step=upload.step,
+                path=upload.detail,
+                seconds=round(upload.seconds, 3),
+                bytes=upload.bytes,
+                attempts=upload.attempts,
+                pruned=upload.pruned,
+            )
+        else:
+            self._event(
+                "mirror_failed",
+                step=upload.step,
+                url=self.mirror.url,
+                reason=upload.detail,
+                attempts=upload.attempts,
+            )
+
+    def mirror_metrics(self) -> dict[str, float]:
+        """The uploads that ended since the last call, as step metrics:
+        ``checkpoint/mirror_upload_s`` and ``checkpoint/mirror_upload_mb`` (of those that
+        completed), ``checkpoint/mirror_failures``, and ``checkpoint/mirror_pending`` (queued
+        or under way now); ``{}`` before the first upload."""
+        if self.uploader is None:
+            return {}
+        done = self.uploader.take()
+        good = [u for u in done if u.ok]
+        metrics = {
+            "checkpoint/mirror_pending": float(self.uploader.pending),
+            "checkpoint/mirror_failures": float(len(done) - len(good)),
+        }
+        if good:
+            metrics["checkpoint/mirror_upload_s"] = sum(u.seconds for u in good)
+            metrics["checkpoint/mirror_upload_mb"] = sum(u.bytes for u in good) / 2**20
+        return metrics
+
+    def finish_uploads(self, timeout_s: float = 600.0) -> list[int]:
+        """Waits up to ``timeout_s`` for the mirror's queued uploads (the end of a run);
+        the steps left unfinished are reported (``mirror_unfinished``) and returned. Their
+        local checkpoints are untouched."""
+        if self.uploader is None:
+            return []
+        unfinished = self.uploader.close(timeout_s)
+        self.uploader = None
+        if unfinished:
+            self._event(
+                "mirror_unfinished", steps=unfinished, url=self.mirror.url, waited_s=timeout_s
+            )
+        return unfinished
 
     def _publish(self, tmp: Path, step: int) -> Path:
         """Renames a finished temporary directory to ``step_<step>``, replacing an old one."""
@@ -356,16 +424,31 @@ class CheckpointManager:
         return None
 
     def _from_mirror(self) -> Path | None:
-        """Fetches the mirror's newest good copy into the local tier, or ``None``."""
+        """Fetches the mirror's newest good copy into the local tier, or ``None``.
+
+        Raises:
+            UserError: The mirror cannot be listed (an endpoint down, wrong credentials):
+                starting afresh would silently drop the run's progress.
+        """
         if self.mirror is None:
             return None
-        for step in reversed(self.mirror.complete_steps()):
+        try:
+            steps = self.mirror.complete_steps()
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise UserError(
+                f"--resume auto: no checkpoint under {self.root}, and the mirror "
+                f"{self.mirror.url} cannot be read ({reason}); fix its endpoint or credentials "
+                "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... for s3://), or start afresh with "
+                "--resume never"
+            ) from None
+        for step in reversed(steps):
             source = self.mirror.path_for(step)
             try:
                 path = self._write(
                     step, partial(self.mirror.fetch, step), manifest_from_writer=True
                 )
-            except (OSError, ValueError) as err:
+            except Exception as err:  # damaged, or the download failed: try an older copy
                 reason = f"{type(err).__name__}: {err}".splitlines()[0]
                 self._event("checkpoint_corrupt", path=source, tier="mirror", reason=reason)
                 continue

@@ -210,6 +210,8 @@ class CheckpointConfig:
     save_optimizer: bool = _opt(True)
     mirror_url: str = _opt("")  # fsspec URL or path for a second copy; "" = off
     mirror_every: int = _opt(1, ge=1)  # mirror every N-th checkpoint (an archive tier)
+    mirror_keep: int = _opt(0, ge=0)  # copies the mirror keeps, newest first; 0 = all
+    mirror_retries: int = _opt(2, ge=0)  # further tries of a failed upload (1 s, 2 s, ... apart)
 
 
 @dataclass(frozen=True)

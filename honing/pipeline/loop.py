@@ -81,6 +81,7 @@ class TrainLoop:
                 last = step == cfg.total_steps
                 if last or (cfg.val_every and step % cfg.val_every == 0):
                     metrics |= self._validate(step)
+                metrics |= self.checkpoints.mirror_metrics()  # uploads that ended meanwhile
                 self.logger.log_metrics(step, metrics)
                 decision = alerting.after_step(step, metrics)
                 if decision is not None:
@@ -91,6 +92,7 @@ class TrainLoop:
                     self._save(step)
         finally:
             self._stop_producer(step, "end of run")
+            self.checkpoints.finish_uploads()
             alerting.close()
 
     def _start_producer(self, start_step: int) -> None:

@@ -93,6 +93,8 @@ def checkpoint_manager(config: Config, run_dir: Path, on_event=None) -> Checkpoi
         keep=settings.keep,
         mirror_url=settings.mirror_url,
         mirror_every=settings.mirror_every,
+        mirror_keep=settings.mirror_keep,
+        mirror_attempts=settings.mirror_retries + 1,
         on_event=on_event,
     )
 

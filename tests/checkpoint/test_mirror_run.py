@@ -4,20 +4,11 @@ resumes from the mirror."""
 import json
 import shutil
 
-import pytest
-
 from honing.backends.launch import train
 from honing.checkpoint import verify
-from honing.config import CheckpointConfig
 from tests.pipeline._configs import small_run_config
 
-needs_mirror_config = pytest.mark.skipif(
-    not hasattr(CheckpointConfig, "mirror_url"),
-    reason="checkpoint.mirror_url / mirror_every are not in the config tree yet",
-)
 
-
-@needs_mirror_config
 def test_a_run_resumes_from_its_mirror(micro_model_dir, digit_reward, tmp_path):
     archive = tmp_path / "archive"
     settings = {

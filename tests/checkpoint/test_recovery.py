@@ -4,6 +4,8 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -143,13 +145,67 @@ def test_every_mth_checkpoint_is_mirrored_and_kept(tmp_path):
     )
     for step in range(1, 6):
         manager.save(step, writer(bytes([step]) * 100))
+    assert manager.finish_uploads() == []
 
+    # step 2 was gone locally (keep=1) before its upload ran: the staging links held it
     assert manager.complete_steps() == [5]
     assert manager.mirror.complete_steps() == [2, 4]
     assert sorted(os.listdir(archive)) == ["step_2", "step_4"]
     assert verify(archive / "step_4") is None
     assert (archive / "step_4" / "weights.bin").read_bytes() == bytes([4]) * 100
     assert events.kinds() == ["checkpoint_mirrored"] * 2
+    assert [e[1]["bytes"] for e in events] == [_size(archive / f"step_{s}") for s in (2, 4)]
+    assert os.listdir(tmp_path / "local") == ["step_5"]  # no staging directory left
+
+
+def _size(folder):
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_the_mirror_keeps_its_newest_copies_and_reports_uploads_as_metrics(tmp_path):
+    events = Events()
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(
+        tmp_path / "local", keep=1, mirror_url=str(archive), mirror_keep=2, on_event=events
+    )
+    assert manager.mirror_metrics() == {}
+    for step in range(1, 5):
+        manager.save(step, writer(bytes([step]) * 1000))
+        manager.finish_uploads()  # one by one, so that each prune is seen
+    assert manager.mirror.complete_steps() == [3, 4]
+    assert [e[1]["pruned"] for e in events] == [[], [], [1], [2]]
+
+    manager.save(5, writer(b"5" * 1000))
+    while manager.uploader.pending:
+        time.sleep(0.01)
+    metrics = manager.mirror_metrics()
+    assert metrics["checkpoint/mirror_pending"] == 0 and metrics["checkpoint/mirror_failures"] == 0
+    assert metrics["checkpoint/mirror_upload_mb"] * 2**20 == events[-1][1]["bytes"] > 1000
+    assert (
+        0
+        < metrics["checkpoint/mirror_upload_s"]
+        == pytest.approx(events[-1][1]["seconds"], abs=1e-3)
+    )
+    assert manager.mirror_metrics() == {
+        "checkpoint/mirror_pending": 0.0,
+        "checkpoint/mirror_failures": 0.0,
+    }
+
+
+def test_uploads_still_running_at_the_end_are_reported_and_the_local_copies_stand(tmp_path):
+    events = Events()
+    manager = CheckpointManager(
+        tmp_path / "local", keep=3, mirror_url=str(tmp_path / "archive"), on_event=events
+    )
+    release = threading.Event()
+    manager.mirror.push = lambda local, step: release.wait()  # an endpoint that never answers
+    manager.save(1, writer(b"one"))
+    manager.save(2, writer(b"two"))
+
+    assert manager.finish_uploads(timeout_s=0.2) == [1, 2]
+    release.set()
+    assert events.kinds() == ["mirror_unfinished"] and events[0][1]["steps"] == [1, 2]
+    assert manager.complete_steps() == [1, 2]
 
 
 def test_auto_falls_back_to_the_mirror_when_the_local_tier_is_lost(tmp_path):
@@ -160,6 +216,7 @@ def test_auto_falls_back_to_the_mirror_when_the_local_tier_is_lost(tmp_path):
     )
     for step in range(1, 4):
         manager.save(step, writer(bytes([step]) * 100))
+    manager.finish_uploads()
     shutil.rmtree(tmp_path / "local")  # the node's disk is gone
     events.clear()
 
@@ -180,6 +237,7 @@ def test_a_damaged_or_unfinished_mirror_copy_is_skipped(tmp_path):
     )
     for step in (1, 2, 3):
         manager.save(step, writer(bytes([step]) * 100))
+    manager.finish_uploads()
     shutil.rmtree(tmp_path / "local")
     (archive / "step_3" / "COMPLETE").unlink()  # a push cut off before its marker
     (archive / "step_2" / "weights.bin").write_bytes(b"rot" * 33 + b"!")
@@ -199,10 +257,13 @@ def test_a_failing_mirror_is_reported_and_the_local_checkpoint_stands(tmp_path):
     manager = CheckpointManager(
         tmp_path / "local", keep=2, mirror_url=str(blocker / "archive"), on_event=events
     )
+    manager.mirror_retry = (2, 0.0)  # two tries, no wait between them
     path = manager.save(1, writer(b"one"))
+    assert manager.finish_uploads() == []
     assert verify(path) is None
     assert events.kinds() == ["mirror_failed"]
-    assert events[0][1]["step"] == 1 and events[0][1]["reason"]
+    assert events[0][1]["step"] == 1 and events[0][1]["reason"] and events[0][1]["attempts"] == 2
+    assert manager.mirror_metrics() == {}  # finished: the next push starts a new uploader
 
 
 def test_latest_good_at_most_a_step(tmp_path):

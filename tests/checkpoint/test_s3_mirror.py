@@ -1,0 +1,122 @@
+"""Checkpoints mirrored to a real S3 API (moto's server on loopback, through s3fs): uploads
+in the background, the mirror's own retention, resuming on a machine whose run directory is
+gone, and an endpoint that dies mid-run."""
+
+import json
+import shutil
+import threading
+import time
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from honing.backends.launch import train
+from tests.pipeline._configs import small_run_config
+from tests.s3_server import S3Server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    server = S3Server()
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    yield server
+    server.kill()
+
+
+def events_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def steps_of(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
+
+
+def final_weights(run_dir, step):
+    return load_file(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors")
+
+
+def test_a_run_lost_with_its_disk_resumes_from_s3_to_the_same_weights(
+    s3, micro_model_dir, digit_reward, tmp_path
+):
+    mirror = {
+        "checkpoint.every": 1,
+        "checkpoint.keep": 1,
+        "checkpoint.mirror_url": "s3://honing-runs/run",
+        "checkpoint.mirror_every": 2,
+        "checkpoint.mirror_keep": 1,
+    }
+    steps = {"trainer.total_steps": 4}
+    whole = tmp_path / "whole"
+    train(small_run_config(micro_model_dir, digit_reward, **steps), whole, log=lambda m: None)
+
+    run_dir = tmp_path / "run"
+    first = small_run_config(micro_model_dir, digit_reward, **mirror, **{"trainer.total_steps": 2})
+    train(first, run_dir, log=lambda message: None)
+    s3fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert sorted(s3fs.ls("honing-runs/run")) == ["honing-runs/run/step_2"]
+    [uploaded] = [e for e in events_of(run_dir) if e["kind"] == "checkpoint_mirrored"]
+    assert uploaded["step"] == 2 and uploaded["bytes"] > 0
+
+    shutil.rmtree(run_dir)  # a new machine: nothing of the run is left but the mirror
+    resumed = small_run_config(micro_model_dir, digit_reward, **mirror, **steps)
+    train(resumed, run_dir, log=lambda message: None)
+
+    events = events_of(run_dir)
+    fetched = [e for e in events if e["kind"] == "checkpoint_from_mirror"]
+    assert [e["step"] for e in fetched] == [2]
+    assert [e["step"] for e in events if e["kind"] == "resumed"] == [2]
+    verified = [e for e in events if e["kind"] == "checkpoint_verified"]
+    assert verified[0]["tier"] == "mirror"  # the manifest's sha256 checked before loading
+    for name, tensor in final_weights(whole, 4).items():
+        assert torch.equal(final_weights(run_dir, 4)[name], tensor), name
+    # mirror_keep=1: the copy of step 4 replaced that of step 2
+    s3fs.invalidate_cache()
+    assert sorted(s3fs.ls("honing-runs/run")) == ["honing-runs/run/step_4"]
+    mirrored = [e for e in events if e["kind"] == "checkpoint_mirrored"]
+    assert [(e["step"], e["pruned"]) for e in mirrored] == [(4, [2])]
+
+
+def test_an_endpoint_that_dies_mid_run_never_stops_training(
+    s3, micro_model_dir, digit_reward, tmp_path
+):
+    """The S3 server is killed once the first upload is in; training finishes, every later
+    upload is a ``mirror_failed`` event after its tries, and the local checkpoints stand."""
+    run_dir = tmp_path / "run"
+    values = {
+        "checkpoint.every": 1,
+        "checkpoint.keep": 2,
+        "checkpoint.mirror_url": "s3://honing-runs/dies",
+        "checkpoint.mirror_retries": 1,
+        "trainer.total_steps": 5,
+    }
+
+    def kill_after_the_first_upload():
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if events.exists() and "checkpoint_mirrored" in events.read_text():
+                s3.kill()
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_after_the_first_upload)
+    killer.start()
+    train(small_run_config(micro_model_dir, digit_reward, **values), run_dir, log=lambda m: None)
+    killer.join()
+
+    assert len(steps_of(run_dir)) == 5
+    events = events_of(run_dir)
+    mirrored = [e["step"] for e in events if e["kind"] == "checkpoint_mirrored"]
+    failed = [e for e in events if e["kind"] == "mirror_failed"]
+    assert mirrored and failed and mirrored[-1] < 5
+    assert sorted(mirrored + [e["step"] for e in failed]) == [1, 2, 3, 4, 5]
+    assert all(e["attempts"] == 2 and "Could not connect" in e["reason"] for e in failed)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_5"]
+    failures = sum(m.get("checkpoint/mirror_failures", 0) for m in steps_of(run_dir))
+    assert failures <= len(failed)  # the last ones end after the last step's metrics
