@@ -111,6 +111,25 @@ class Mirror:
                 steps.append(int(match.group(1)))
         return sorted(steps)
 
+    def check(self) -> str:
+        """Writes, reads back and deletes a probe object under the mirror's root (``honing
+        doctor``); says what copies the mirror holds.
+
+        Raises:
+            Any fsspec or OS error: the mirror cannot be written (endpoint, credentials).
+        """
+        self.fs.makedirs(self.root, exist_ok=True)
+        probe = posixpath.join(self.root, f"{TMP_PREFIX}probe-{secrets.token_hex(4)}")
+        self.fs.pipe_file(probe, b"honing")
+        try:
+            if self.fs.cat_file(probe) != b"honing":
+                raise OSError(f"{self.url}: a probe object read back different bytes")
+        finally:
+            self.fs.rm(probe)
+        steps = self.complete_steps()
+        held = f"{len(steps)} complete copies, newest step {steps[-1]}" if steps else "empty"
+        return f"{self.url} writable ({held})"
+
     def prune(self, keep: int, protect: int) -> list[int]:
         """Deletes the oldest complete copies beyond the newest ``keep``, never ``protect``
         (the copy just pushed); returns their steps."""

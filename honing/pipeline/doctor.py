@@ -2,9 +2,9 @@
 
 The cold-start test of the deployment guides, as one command: the config's names, the data,
 the reward functions, every verifier service's and rollout server's ``/health``, the disk
-space checkpoints will need, the GPU, the model and tokenizer (pad ≠ eos), and finally one
-batch through generate → score → update in a scratch directory (nothing is written to a run
-directory).
+space checkpoints will need, the checkpoint mirror (a probe object written and deleted), the
+GPU, the model and tokenizer (pad ≠ eos), and finally one batch through generate → score →
+update in a scratch directory (nothing is written to a run directory).
 Each check is a row: passed, failed (with the reason) or skipped (with why); a failed check
 does not hide the ones after it, except that the one-step run needs everything before it.
 """
@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import torch
 
+from honing.checkpoint.mirror import Mirror
 from honing.config import Config
 from honing.errors import UserError
 from honing.monitor import RunLogger
@@ -109,6 +110,8 @@ def run_doctor(config: Config, output_dir: Path) -> list[Check]:
             check = lambda base=base, token=token: _health(base, config.rollout.timeout_s, token)  # noqa: E731
             doctor.run(f"rollout server {url}", check)
     doctor.run("disk", lambda: _disk(config, output_dir))
+    if config.checkpoint.mirror_url:
+        doctor.run("checkpoint mirror", lambda: Mirror(config.checkpoint.mirror_url).check())
     doctor.run("gpu", _gpu)
     if data_ok and all(c.status != "failed" for c in doctor.checks):
         _model_and_step(doctor, config)

@@ -192,6 +192,27 @@ def test_the_mirror_keeps_its_newest_copies_and_reports_uploads_as_metrics(tmp_p
     }
 
 
+def test_a_flaky_mirror_is_tried_again(tmp_path):
+    events = Events()
+    manager = CheckpointManager(
+        tmp_path / "local", keep=3, mirror_url=str(tmp_path / "archive"), on_event=events
+    )
+    manager.mirror_retry = (3, 0.0)
+    push, calls = manager.mirror.push, []
+
+    def flaky(local, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise ConnectionResetError("the endpoint hung up")
+        return push(local, step)
+
+    manager.mirror.push = flaky
+    manager.save(1, writer(b"one"))
+    manager.finish_uploads()
+    assert calls == [1, 1] and manager.mirror.complete_steps() == [1]
+    assert events.kinds() == ["checkpoint_mirrored"] and events[0][1]["attempts"] == 2
+
+
 def test_uploads_still_running_at_the_end_are_reported_and_the_local_copies_stand(tmp_path):
     events = Events()
     manager = CheckpointManager(

@@ -120,3 +120,15 @@ def test_an_endpoint_that_dies_mid_run_never_stops_training(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_5"]
     failures = sum(m.get("checkpoint/mirror_failures", 0) for m in steps_of(run_dir))
     assert failures <= len(failed)  # the last ones end after the last step's metrics
+
+
+def test_the_mirror_check_writes_a_probe_and_a_dead_endpoint_fails_it(s3):
+    """``honing doctor``'s row for ``checkpoint.mirror_url``."""
+    from honing.checkpoint.mirror import Mirror
+
+    mirror = Mirror("s3://honing-runs/probe")
+    assert mirror.check() == "s3://honing-runs/probe writable (empty)"
+    assert mirror.fs.find("honing-runs/probe") == []  # the probe is gone
+    s3.kill()
+    with pytest.raises(Exception, match="Could not connect"):
+        Mirror("s3://honing-runs/probe").check()
