@@ -408,7 +408,7 @@ def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
 def _routing_shape(policy):
     """What the servers' routed experts describe for R3: the policy's MoE routers."""
     from honing.models.moe import routers_of
-    from honing.rollout.openai_engine import RoutingShape
+    from honing.rollout.routed_experts import RoutingShape
 
     routers = routers_of(policy)
     if routers is None:

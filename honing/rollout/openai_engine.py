@@ -19,19 +19,15 @@ Weights: ``load_weights(version, weights)`` sends the tensors as one safetensors
 ``weight_sync="disk"``, ``load_weights_from_disk`` posts ``{"model_path", "version"}`` to
 ``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
 
-Routing replay (R3) of a mixture-of-experts policy: each rollout carries the experts the
-server's routers chose (``Rollout.routed_experts``), read from either server's answer. vLLM
-(``--enable-return-routed-experts``) and ``honing serve rollout`` give nested lists:
-``prompt_routed_experts`` for the prompt and, per choice, ``routed_experts`` for its tokens.
-SGLang (``--enable-return-routed-experts``, and ``return_routed_experts`` in each request,
-which the engine sends) gives base64 int32 bytes ordered token, layer, slot: per choice in its
-``meta_info``, or once per response in ``sglext.routed_experts``, which covers the first choice
-only; against such a server the engine asks for each sample of a group in a request of its own.
+Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
+the experts the server's routers chose, in vLLM's or SGLang's form
+(``honing.rollout.routed_experts``); against a server that routes only a response's first
+choice (SGLang's ``sglext``) the engine asks for each sample of a group in a request of its
+own.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import shutil
@@ -50,6 +46,11 @@ from honing.rollout.base import (
     WeightPieces,
     weight_items,
 )
+from honing.rollout.routed_experts import (
+    RoutingShape,
+    routed_experts,
+    routes_first_choice_only,
+)
 from honing.seeds import request_seed
 from honing.types import Rollout
 
@@ -62,21 +63,6 @@ class EngineUnavailable(RuntimeError):
 
 class EngineRequestError(ValueError):
     """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
-
-
-@dataclass(frozen=True)
-class RoutingShape:
-    """The MoE routers a server's routed experts describe, for reading SGLang's flat bytes.
-
-    Attributes:
-        moe_layers: the decoder layer number of each MoE layer, in order.
-        num_layers: the model's decoder layers (a server may give dense ones a row of -1).
-        top_k: experts per token.
-    """
-
-    moe_layers: tuple[int, ...]
-    num_layers: int
-    top_k: int
 
 
 @dataclass
@@ -190,8 +176,8 @@ class OpenAIEngine(RolloutEngine):
             return self._complete_one_by_one(request, params, index)
         payload = self._payload(request, params, index)
         answer, version = self._answer(request, payload, params.n)
-        routes = [self._routed_experts(request, answer, c) for c in answer["choices"]]
-        if params.n > 1 and _routes_first_choice_only(answer):
+        routes = [self._routed(request, answer, c) for c in answer["choices"]]
+        if params.n > 1 and routes_first_choice_only(answer):
             self.one_sample_per_request = True  # SGLang: its sglext has the first choice's
             return self._complete_one_by_one(request, params, index)
         return answer["choices"], version, routes
@@ -204,8 +190,11 @@ class OpenAIEngine(RolloutEngine):
             payload["seed"] = request_seed(payload["seed"], sample)
             answer, version = self._answer(request, payload, 1)
             choices += answer["choices"]
-            routes.append(self._routed_experts(request, answer, answer["choices"][0]))
+            routes.append(self._routed(request, answer, answer["choices"][0]))
         return choices, version, routes
+
+    def _routed(self, request: GenerationRequest, answer: dict, choice: dict):
+        return routed_experts(self.routing, len(request.prompt_ids), answer, choice)
 
     def _answer(self, request: GenerationRequest, payload: dict, n: int):
         errors = []
@@ -237,7 +226,7 @@ class OpenAIEngine(RolloutEngine):
         choice: dict,
         version: int,
         seconds: float,
-        routed_experts=None,
+        routed=None,
     ):
         ids = choice.get("token_ids")
         logprobs = choice.get("logprobs") or {}
@@ -265,55 +254,8 @@ class OpenAIEngine(RolloutEngine):
             weight_version=int(version),
             text=text,
             gen_seconds=seconds,
-            routed_experts=routed_experts,
+            routed_experts=routed,
         )
-
-    def _routed_experts(self, request: GenerationRequest, answer: dict, choice: dict):
-        """The experts the server's routers chose for the prompt and each response token but
-        the last (``Rollout.routed_experts``, int8 or int16 [rows, MoE layers, top_k]), in
-        vLLM's or SGLang's form (see the module); None when the answer has none or they do not
-        fit the tokens."""
-        import torch
-
-        ids = choice.get("token_ids") or (choice.get("logprobs") or {}).get("tokens") or []
-        rows = len(request.prompt_ids) + max(len(ids) - 1, 0)
-        try:
-            if answer.get("prompt_routed_experts") is not None:  # vLLM, honing's server
-                prompt = torch.tensor(answer["prompt_routed_experts"], dtype=torch.int16)
-                answered = torch.tensor(choice.get("routed_experts"), dtype=torch.int16)
-                if answered.numel() and answered.shape[1:] != prompt.shape[1:]:
-                    return None
-                experts = torch.cat([prompt, answered.reshape(-1, *prompt.shape[1:])])[:rows]
-            else:
-                flat = (choice.get("meta_info") or {}).get("routed_experts")
-                if flat is None:
-                    flat = (answer.get("sglext") or {}).get("routed_experts")
-                experts = self._sglang_experts(flat, rows)
-        except (TypeError, ValueError, RuntimeError):
-            return None
-        if experts is None or experts.dim() != 3 or len(experts) != rows:
-            return None
-        small = experts.numel() == 0 or int(experts.max()) <= 127
-        return experts.to(torch.int8) if small else experts.to(torch.int16)
-
-    def _sglang_experts(self, flat, rows: int):
-        """SGLang's base64 int32 bytes as [rows, MoE layers, top_k]; a trailing row for the
-        last token (which feeds no training position) is dropped, and so are the rows of
-        dense layers when the server lists every layer."""
-        import torch
-
-        if not isinstance(flat, str) or self.routing is None:
-            return None
-        shape = self.routing
-        values = torch.frombuffer(bytearray(base64.b64decode(flat)), dtype=torch.int32)
-        fits = itertools.product((rows, rows + 1), (len(shape.moe_layers), shape.num_layers))
-        for length, layers in fits:  # the exact length first
-            if values.numel() == length * layers * shape.top_k:
-                experts = values.reshape(-1, layers, shape.top_k)[:rows]
-                if layers != len(shape.moe_layers):
-                    experts = experts[:, list(shape.moe_layers)]
-                return experts.to(torch.int16)
-        return None
 
     def take_report(self) -> tuple[dict[str, float], list]:
         """With ``spec_metrics``: the acceptance the servers report for the calls since the
@@ -522,15 +464,6 @@ def _counters(text: str) -> dict[str, float]:
 def _base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _routes_first_choice_only(answer: dict) -> bool:
-    """SGLang's completions put the routed experts once per response (``sglext``), for the
-    first choice alone."""
-    sglext = answer.get("sglext") or {}
-    choices = answer.get("choices") or []
-    per_choice = any((c.get("meta_info") or {}).get("routed_experts") for c in choices)
-    return sglext.get("routed_experts") is not None and not per_choice
 
 
 def _token_id(token: str) -> int:

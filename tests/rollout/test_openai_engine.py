@@ -359,7 +359,7 @@ def test_a_server_returns_its_mixture_of_experts_routing_for_replay(
     asks it for one sample per request. Either way an R3 run replays the server's experts
     (the trainer's live routers agree with them at the weights it sampled with)."""
     from honing.backends.launch import train
-    from honing.rollout.openai_engine import RoutingShape
+    from honing.rollout.routed_experts import RoutingShape
 
     process, url = start_service("rollout", "--model", str(moe_dirs["qwen3_moe"]))
     sglang = SGLangWire(url)
@@ -409,13 +409,12 @@ def test_sglang_bytes_that_list_dense_layers_keep_the_moe_layers_rows():
     MoE layers; bytes that fit neither shape are no routing at all."""
     import base64
 
-    from honing.rollout.openai_engine import RoutingShape
+    from honing.rollout.routed_experts import RoutingShape, sglang_experts
 
-    engine = OpenAIEngine.__new__(OpenAIEngine)
-    engine.routing = RoutingShape(moe_layers=(1, 3), num_layers=4, top_k=2)
+    shape = RoutingShape(moe_layers=(1, 3), num_layers=4, top_k=2)
     rows = torch.arange(3 * 4 * 2, dtype=torch.int32).reshape(3, 4, 2)
     rows[:, [0, 2]] = -1
     flat = base64.b64encode(rows.numpy().tobytes()).decode()
-    assert torch.equal(engine._sglang_experts(flat, 3), rows[:, [1, 3]].to(torch.int16))
-    assert torch.equal(engine._sglang_experts(flat, 2), rows[:2, [1, 3]].to(torch.int16))
-    assert engine._sglang_experts(flat, 4) is None
+    assert torch.equal(sglang_experts(shape, flat, 3), rows[:, [1, 3]].to(torch.int16))
+    assert torch.equal(sglang_experts(shape, flat, 2), rows[:2, [1, 3]].to(torch.int16))
+    assert sglang_experts(shape, flat, 4) is None
