@@ -2,7 +2,11 @@
 
 Neither package is a dependency of honing. Configuring one that is not installed is a
 ``ConfigError`` naming the pip package. Each sink logs the metrics of every step (and, for
-W&B, the histograms), with the run's resolved config as parameters.
+W&B, the histograms), with the run's resolved config as parameters. At the end of the run
+(also one stopped by an alert or ended by an error) the run's HTML report
+(``RUN_DIR/report.html``, see ``honing.monitor.report``) is handed to ``log_report``: W&B keeps
+it as a ``report`` artifact named ``report-<run id>``, MLflow as the run artifact
+``report.html``.
 
 A resumed run continues the same remote run: the W&B run id is derived from the run
 directory's absolute path, and the MLflow run id is kept in ``RUN_DIR/mlflow_run_id``.
@@ -124,6 +128,16 @@ class WandbSink:
         if data:
             self._run.log(data, step=step)
 
+    def log_report(self, path: Path) -> None:
+        """Logs the report file as a new version of the run's ``report`` artifact.
+
+        W&B copies the file into its staging area at once (offline too, where ``wandb sync``
+        uploads it later), so rewriting the report afterwards does not change this version.
+        """
+        artifact = self._wandb.Artifact(f"report-{self._run.id}", type="report")
+        artifact.add_file(str(path))
+        self._run.log_artifact(artifact)
+
     def close(self) -> None:
         """Finishes the W&B run (uploads what is pending)."""
         self._run.finish()
@@ -167,6 +181,10 @@ class MlflowSink:
         """Logs the numeric metrics at ``step``."""
         named = {_MLFLOW_INVALID.sub("_", k): v for k, v in numeric(metrics).items()}
         self._mlflow.log_metrics(named, step=step)
+
+    def log_report(self, path: Path) -> None:
+        """Uploads the report file as a run artifact (at the artifact root, same name)."""
+        self._mlflow.log_artifact(str(path))
 
     def close(self) -> None:
         """Ends the MLflow run."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TextIO
@@ -191,6 +191,33 @@ class RunLogger:
                 note = getattr(sink, "note", None)
                 if note is not None:
                     note(f"[{kind}] {details}".rstrip())
+
+    def log_report(self, write: Callable[[Path], Path]) -> Path | None:
+        """Writes the run's report and hands the file to the sinks that keep files.
+
+        Only when a sink has a ``log_report`` method (W&B, MLflow): then ``write(run_dir)``
+        (``honing.monitor.report.write_report``) writes the report and each such sink gets
+        its path. A report that cannot be written or kept is a ``report_failed`` event, never
+        a training error: the metrics are already logged.
+
+        Returns:
+            The report's path, or ``None`` when no sink takes one or it could not be written.
+        """
+        takers = [(type(sink).__name__, getattr(sink, "log_report", None)) for sink in self.sinks]
+        takers = [(name, log_report) for name, log_report in takers if log_report is not None]
+        if not takers:
+            return None
+        try:
+            path = write(self.run_dir)
+        except Exception as error:
+            self.log_event("report_failed", error=f"{type(error).__name__}: {error}")
+            return None
+        for name, log_report in takers:
+            try:
+                log_report(path)
+            except Exception as error:  # a tracker that is down or refuses the upload
+                self.log_event("report_failed", sink=name, error=f"{type(error).__name__}: {error}")
+        return path
 
     def truncate_after(self, step: int) -> dict[str, int]:
         """Forgets logged steps after ``step``, before a resumed run redoes them.

@@ -1,4 +1,4 @@
-"""A Prometheus endpoint on the trainer: the latest value of every metric, as gauges.
+"""A Prometheus endpoint on the trainer: every metric's latest value, and two histograms.
 
     curl http://127.0.0.1:9464/metrics
     # HELP honing_critic_score_mean critic/score/mean
@@ -11,7 +11,23 @@
 A daemon thread serves the text exposition format (version 0.0.4) with the standard
 library's HTTP server, so no client library is needed. Each scrape sees the metrics of the
 last finished step (the newest value of each name; a name not logged at that step keeps its
-older value, e.g. ``val/accuracy`` between validations). Histograms are not exported.
+older value, e.g. ``val/accuracy`` between validations).
+
+The per-step value lists that ``RunLogger.log_histograms`` passes on (the rewards of the
+trained samples, every response's length in tokens) are also served as Prometheus
+histograms, counted over the whole run (cumulative, as Prometheus expects), so
+``histogram_quantile`` and heatmaps work over any time window::
+
+    # TYPE honing_critic_score histogram
+    honing_critic_score_bucket{le="0.0"} 36
+    ...
+    honing_critic_score_bucket{le="+Inf"} 48
+    honing_critic_score_sum 5.25
+    honing_critic_score_count 48
+
+Bucket bounds are fixed per name (``HISTOGRAM_BUCKETS``; a name not listed there gets
+``DEFAULT_BUCKETS``). Non-finite values are left out; the counts restart from zero with the
+process, which Prometheus's ``rate`` reads as a counter reset.
 
 Limits: plain HTTP, no authentication — it binds 127.0.0.1 unless told otherwise; expose
 it through whatever guards the node. Metric names are sanitised (``critic/score/mean`` →
@@ -20,10 +36,12 @@ it through whatever guards the node. Metric names are sanitised (``critic/score/
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -32,6 +50,13 @@ from honing.errors import ConfigError
 PREFIX = "honing_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _INVALID = re.compile(r"[^a-zA-Z0-9_]+")
+DEFAULT_BUCKETS = (-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0)
+HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
+    # rewards: binary 0/1 verifiers and graded [0, 1] ones, with room below and above
+    "critic/score": (-1.0, -0.5, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0),
+    # response lengths in tokens: powers of two, from a one-token answer to 32k
+    "response_length": tuple(float(2**power) for power in range(16)),
+}
 
 
 def prometheus_name(name: str) -> str:
@@ -52,6 +77,38 @@ def format_sample(value: float) -> str:
     return repr(float(value))
 
 
+class Histogram:
+    """Cumulative counts of observed values in fixed buckets, Prometheus's histogram type.
+
+    Args:
+        bounds: Upper bounds of the buckets, ascending (``+Inf`` is implied).
+    """
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket; the last is above every bound
+        self.total = 0.0
+
+    def observe(self, values: Sequence[float]) -> None:
+        """Counts each finite value in the first bucket whose bound is >= it."""
+        for value in values:
+            value = float(value)
+            if math.isfinite(value):
+                self.counts[bisect.bisect_left(self.bounds, value)] += 1
+                self.total += value
+
+    def lines(self, name: str, source: str) -> list[str]:
+        """The exposition lines: ``_bucket`` per bound (cumulative), ``_sum``, ``_count``."""
+        out = [f"# HELP {name} {source} (histogram of the values of every step)"]
+        out.append(f"# TYPE {name} histogram")
+        cumulative = 0
+        for bound, count in zip([*self.bounds, math.inf], self.counts, strict=True):
+            cumulative += count
+            out.append(f'{name}_bucket{{le="{format_sample(bound)}"}} {cumulative}')
+        out += [f"{name}_sum {format_sample(self.total)}", f"{name}_count {cumulative}"]
+        return out
+
+
 class PrometheusSink:
     """Serves the latest metrics on ``http://host:port/metrics`` from a daemon thread.
 
@@ -59,14 +116,22 @@ class PrometheusSink:
         port: TCP port; 0 picks a free one (read it back from ``.port``). The config's
             ``monitor.prometheus_port=0`` means off, and then this sink is not built.
         host: Interface to bind; loopback by default.
+        buckets: Histogram name -> bucket upper bounds, on top of ``HISTOGRAM_BUCKETS``.
 
     Raises:
         ConfigError: If the port cannot be bound (in use, or no permission).
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        buckets: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._gauges: dict[str, tuple[str, float]] = {}  # prometheus name -> (source, value)
+        self._buckets = {**HISTOGRAM_BUCKETS, **(buckets or {})}
+        self._histograms: dict[str, tuple[str, Histogram]] = {}  # name -> (source, counts)
         self._step: int | None = None
         self._step_time = math.nan
         try:
@@ -100,10 +165,24 @@ class PrometheusSink:
             self._step = step
             self._step_time = time.time()
 
+    def write_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
+        """Adds the step's values of each name to that name's run-long histogram."""
+        with self._lock:
+            for name, values in histograms.items():
+                prom_name = prometheus_name(name)
+                if prom_name not in self._histograms:
+                    bounds = sorted(self._buckets.get(name, DEFAULT_BUCKETS))
+                    self._histograms[prom_name] = (name, Histogram(bounds))
+                self._histograms[prom_name][1].observe(values)
+
     def render(self) -> str:
         """The exposition text of the current values."""
         with self._lock:
             gauges = sorted(self._gauges.items())
+            histograms = [
+                histogram.lines(prom_name, source)
+                for prom_name, (source, histogram) in sorted(self._histograms.items())
+            ]
             step, step_time = self._step, self._step_time
         lines = []
         for prom_name, (source, value) in gauges:
@@ -112,6 +191,8 @@ class PrometheusSink:
                 f"# TYPE {prom_name} gauge",
                 f"{prom_name} {format_sample(value)}",
             ]
+        for histogram_lines in histograms:
+            lines += histogram_lines
         if step is not None:
             lines += [
                 f"# HELP {PREFIX}step last finished training step",

@@ -4,10 +4,11 @@ A sink receives ``(step, {name: value})`` once per training step. Sinks are comp
 ``RunLogger``; each one owns one destination and flushes on every write, so a crash of the
 training process loses nothing already logged. Besides ``write`` and ``close`` a sink may
 implement any of the optional methods ``RunLogger`` looks for: ``write_histograms`` (value
-distributions, see ``HistogramSink``), ``note`` (event lines) and ``mark_restart`` (a resumed
-run redoes later steps); a sink without one is simply skipped for that call. Machine
-crashes (power loss) can still lose the last writes: files are flushed to the OS, not
-fsync-ed, except when rewritten by ``truncate_jsonl``.
+distributions, see ``HistogramSink``), ``note`` (event lines), ``mark_restart`` (a resumed
+run redoes later steps) and ``log_report`` (the run's report file, at the end of the run); a
+sink without one is simply skipped for that call. Machine crashes (power loss) can still
+lose the last writes: files are flushed to the OS, not fsync-ed, except when rewritten by
+``truncate_jsonl``.
 
 TensorBoard is imported inside ``TensorBoardSink`` only, so ``import honing.monitor`` stays
 light.

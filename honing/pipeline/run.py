@@ -22,6 +22,7 @@ from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.host import configure_host
 from honing.monitor import RunLogger
+from honing.monitor.report import write_report
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.loop import TrainLoop
@@ -233,7 +234,10 @@ def run_training(
                 f"the run is already at step {start} of trainer.total_steps="
                 f"{config.trainer.total_steps}; raise it to train further"
             )
-        TrainLoop(config, parts, logger, checkpoints, peers=peers).run(start)
+        try:
+            TrainLoop(config, parts, logger, checkpoints, peers=peers).run(start)
+        finally:  # trackers that keep files (W&B, MLflow) get the report, of a stopped run too
+            logger.log_report(write_report)
     result = summary(run_dir)
     write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
     return result

@@ -1,9 +1,11 @@
-"""Tests for the W&B and MLflow sinks.
+"""Tests for the W&B and MLflow sinks, against stand-ins for the packages.
 
-The real packages are not installed here and their services need the network, so each test
-injects a small stand-in module into ``sys.modules`` that records the calls a sink makes.
+Each test injects a small stand-in module into ``sys.modules`` that records the calls a sink
+makes, so these run without the packages. ``test_trackers_e2e.py`` runs the real packages
+(W&B offline, an MLflow tracking server on loopback).
 """
 
+import json
 import math
 import sys
 import types
@@ -11,6 +13,7 @@ import types
 import pytest
 
 from honing.errors import ConfigError
+from honing.monitor import RunLogger
 from honing.monitor.integrations import (
     MlflowSink,
     WandbSink,
@@ -23,9 +26,13 @@ from honing.monitor.integrations import (
 class FakeWandbRun:
     def __init__(self, **init_args):
         self.init_args, self.logged, self.finished = init_args, [], False
+        self.id, self.artifacts = init_args["id"], []
 
     def log(self, data, step):
         self.logged.append((step, data))
+
+    def log_artifact(self, artifact):
+        self.artifacts.append(artifact)
 
     def finish(self):
         self.finished = True
@@ -36,11 +43,20 @@ class FakeHistogram:
         self.values = values
 
 
+class FakeArtifact:
+    def __init__(self, name, type):  # noqa: A002 (wandb's argument name)
+        self.name, self.type, self.files = name, type, []
+
+    def add_file(self, path):
+        self.files.append(path)
+
+
 @pytest.fixture
 def fake_wandb(monkeypatch):
     module = types.ModuleType("wandb")
     module.runs = []
     module.Histogram = FakeHistogram
+    module.Artifact = FakeArtifact
 
     def init(**kwargs):
         module.runs.append(FakeWandbRun(**kwargs))
@@ -65,7 +81,8 @@ def fake_mlflow(monkeypatch):
         info = types.SimpleNamespace(run_id=run_id or f"run{next(counter)}")
         return types.SimpleNamespace(info=info)
 
-    for name in ("set_tracking_uri", "set_experiment", "log_params", "log_metrics", "end_run"):
+    names = ("set_tracking_uri", "set_experiment", "log_params", "log_metrics", "log_artifact")
+    for name in (*names, "end_run"):
         setattr(module, name, record(name))
     module.start_run = start_run
     monkeypatch.setitem(sys.modules, "mlflow", module)
@@ -146,3 +163,73 @@ def test_mlflow_sink_logs_and_resumes_the_same_run(fake_mlflow, tmp_path):
     MlflowSink("file:/tmp/mlruns", experiment="exp", run_dir=tmp_path).close()
     assert ("start_run", (), {"run_id": "run1", "run_name": tmp_path.name}) in fake_mlflow.calls
     assert not [call for call in fake_mlflow.calls if call[0] == "log_params"]
+
+
+def test_wandb_sink_logs_the_report_as_an_artifact(fake_wandb, tmp_path):
+    sink = WandbSink("proj", run_dir=tmp_path)
+    sink.log_report(tmp_path / "report.html")
+    (artifact,) = fake_wandb.runs[0].artifacts
+    assert (artifact.name, artifact.type) == (f"report-{wandb_run_id(tmp_path)}", "report")
+    assert artifact.files == [str(tmp_path / "report.html")]
+
+
+def test_mlflow_sink_logs_the_report_as_an_artifact(fake_mlflow, tmp_path):
+    sink = MlflowSink("file:/tmp/mlruns", experiment="exp", run_dir=tmp_path)
+    sink.log_report(tmp_path / "report.html")
+    assert fake_mlflow.calls[-1] == ("log_artifact", (str(tmp_path / "report.html"),), {})
+
+
+class ReportTaker:
+    def __init__(self, fail=False):
+        self.reports, self.fail = [], fail
+
+    def write(self, step, metrics):
+        pass
+
+    def log_report(self, path):
+        if self.fail:
+            raise ConnectionError("tracker down")
+        self.reports.append(path)
+
+    def close(self):
+        pass
+
+
+QUIET = {"tensorboard": False, "console": False}
+
+
+def write_page(run_dir):
+    (run_dir / "report.html").write_text("<html></html>")
+    return run_dir / "report.html"
+
+
+def events(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_run_logger_writes_the_report_only_for_sinks_that_keep_it(tmp_path):
+    with RunLogger(tmp_path / "plain", total_steps=1, **QUIET) as logger:
+        assert logger.log_report(write_page) is None
+    assert not (tmp_path / "plain" / "report.html").exists()
+
+    taker = ReportTaker()
+    with RunLogger(tmp_path / "kept", total_steps=1, **QUIET, sinks=[taker]) as logger:
+        path = logger.log_report(write_page)
+    assert taker.reports == [path] == [tmp_path / "kept" / "report.html"]
+
+
+def test_run_logger_report_failures_are_events_not_errors(tmp_path):
+    down, up = ReportTaker(fail=True), ReportTaker()
+    with RunLogger(tmp_path, total_steps=1, **QUIET, sinks=[down, up]) as logger:
+        assert logger.log_report(write_page) == tmp_path / "report.html"
+
+        def broken(run_dir):
+            raise OSError("disk full")
+
+        assert logger.log_report(broken) is None
+    assert up.reports == [tmp_path / "report.html"]  # one tracker down does not stop the next
+    failed = [event for event in events(tmp_path) if event["kind"] == "report_failed"]
+    assert [(event.get("sink"), event["error"]) for event in failed] == [
+        ("ReportTaker", "ConnectionError: tracker down"),
+        (None, "OSError: disk full"),
+    ]

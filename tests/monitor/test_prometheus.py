@@ -8,7 +8,12 @@ import urllib.request
 import pytest
 
 from honing.errors import ConfigError
-from honing.monitor.prometheus import PrometheusSink, format_sample, prometheus_name
+from honing.monitor.prometheus import (
+    DEFAULT_BUCKETS,
+    PrometheusSink,
+    format_sample,
+    prometheus_name,
+)
 
 
 def scrape(url):
@@ -84,3 +89,45 @@ def test_busy_port_is_a_config_error_and_close_frees_the_port():
     again = PrometheusSink(port=port)  # the port is free again after close
     assert again.port == port
     again.close()
+
+
+def test_histograms_are_cumulative_prometheus_histograms():
+    sink = PrometheusSink(port=0, buckets={"critic/score": (0.0, 0.5, 1.0)})
+    try:
+        sink.write_histograms(1, {"critic/score": [0.0, 0.25, 1.0, math.nan]})
+        sink.write_histograms(2, {"critic/score": [0.5, 3.0], "response_length": [1, 3, 3, 40]})
+        _, text = scrape(sink.url)
+    finally:
+        sink.close()
+
+    values = samples(text)
+    # le is inclusive: 0.0 falls in le="0.0", 0.5 in le="0.5"; 3.0 only in +Inf; NaN is left out
+    buckets = [values[f'honing_critic_score_bucket{{le="{le}"}}'] for le in ("0.0", "0.5", "1.0")]
+    assert buckets == ["1", "3", "4"]
+    assert values['honing_critic_score_bucket{le="+Inf"}'] == "5"
+    assert values["honing_critic_score_count"] == "5"
+    assert float(values["honing_critic_score_sum"]) == 0.0 + 0.25 + 1.0 + 0.5 + 3.0
+    assert "# TYPE honing_critic_score histogram" in text
+    # response lengths in powers-of-two buckets: 1 | 2 | 4 (3, 3) | ... | 64 (40)
+    assert values['honing_response_length_bucket{le="1.0"}'] == "1"
+    assert values['honing_response_length_bucket{le="2.0"}'] == "1"
+    assert values['honing_response_length_bucket{le="4.0"}'] == "3"
+    assert values['honing_response_length_bucket{le="32.0"}'] == "3"
+    assert values['honing_response_length_bucket{le="64.0"}'] == "4"
+    assert values["honing_response_length_sum"] == "47.0"
+    assert values["honing_response_length_count"] == "4"
+
+
+def test_histogram_of_an_unlisted_name_uses_the_default_buckets():
+    sink = PrometheusSink(port=0)
+    try:
+        sink.write_histograms(1, {"reward/latency_ms": [0.2, 7.0]})
+        text = sink.render()
+    finally:
+        sink.close()
+    values = samples(text)
+    buckets = [name for name in values if name.startswith("honing_reward_latency_ms_bucket")]
+    assert len(buckets) == len(DEFAULT_BUCKETS) + 1
+    assert values['honing_reward_latency_ms_bucket{le="0.25"}'] == "1"
+    assert values['honing_reward_latency_ms_bucket{le="5.0"}'] == "1"
+    assert values['honing_reward_latency_ms_bucket{le="+Inf"}'] == "2"
