@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.honing-installed
 
-.PHONY: setup demo test lint clean bench-setup bench
+.PHONY: setup demo test lint clean bench-setup bench image
 
 setup: $(STAMP)
 
@@ -36,8 +36,8 @@ demo: setup
 	$(VENV)/bin/honing train examples/arithmetic.yaml --output-dir runs/demo --resume never
 
 test: setup
-	$(VENV)/bin/ruff check honing tests benchmarks examples
-	$(VENV)/bin/ruff format --check honing tests benchmarks examples
+	$(VENV)/bin/ruff check honing tests benchmarks examples deploy
+	$(VENV)/bin/ruff format --check honing tests benchmarks examples deploy
 	$(PY) -m pytest
 
 # Side-by-side benchmark against TRL's GRPOTrainer (benchmarks/grpo_step.py). TRL lives in a
@@ -56,6 +56,23 @@ $(PEERS_STAMP):
 
 bench: setup bench-setup
 	$(PY) -m benchmarks.grpo_step $(BENCH_ARGS)
+
+# The container image (Containerfile), with podman or docker, whichever is installed. CUDA:
+#   make image IMAGE=localhost/honing:cuda IMAGE_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       IMAGE_TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# IMAGE_ARGS adds build options, e.g. a local wheel directory (podman):
+#   IMAGE_ARGS='--volume /opt/wheels:/tmp/wheels:ro --build-arg PIP_OPTIONS="--find-links /tmp/wheels"'
+CONTAINER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+IMAGE ?= localhost/honing:cpu
+IMAGE_BASE ?= python:3.11-slim-bookworm
+IMAGE_TORCH ?= $(TORCH)
+IMAGE_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+IMAGE_ARGS ?=
+
+image:
+	$(CONTAINER) build $(if $(filter podman,$(notdir $(CONTAINER))),--format docker) \
+		-f Containerfile --build-arg BASE=$(IMAGE_BASE) --build-arg TORCH=$(IMAGE_TORCH) \
+		--build-arg TORCH_INDEX=$(IMAGE_TORCH_INDEX) $(IMAGE_ARGS) -t $(IMAGE) .
 
 lint: setup
 	$(VENV)/bin/ruff format honing tests benchmarks
