@@ -65,11 +65,19 @@ def read(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return sorted((m for m in metrics if m["step"] >= 1), key=lambda m: m["step"]), events
 
 
-def measure(variant: str, run_dir: Path, args, env: dict, bucket: str) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(variant: str, run_dir: Path, args, env: dict, bucket: str, server) -> dict:
     mirror = f"s3://{bucket}/{run_dir.name}" if variant == "s3" else ""
+    server_cpu = cpu_seconds(server.process.pid)
     started = time.perf_counter()
     train(run_dir, args.steps, args.every, mirror, env)
     wall = time.perf_counter() - started
+    server_cpu = cpu_seconds(server.process.pid) - server_cpu
     steps, events = read(run_dir)
     uploads = [e for e in events if e["kind"] == "checkpoint_mirrored"]
     # a step ran during an upload if it started after the save and before the upload ended
@@ -91,6 +99,7 @@ def measure(variant: str, run_dir: Path, args, env: dict, bucket: str) -> dict:
         "upload_s": [u["seconds"] for u in uploads],
         "upload_mb": [u["bytes"] / 2**20 for u in uploads],
         "failures": sum(e["kind"] == "mirror_failed" for e in events),
+        "server_cpu_s": server_cpu,  # the S3 server's work, on the same cores here
     }
 
 
@@ -128,11 +137,13 @@ def write_markdown(result: dict, path: Path) -> None:
         f"steps, a checkpoint every {result['every']} steps (kept locally, 2 of them), without "
         "a mirror and with `checkpoint.mirror_url=s3://...` on moto's S3 server on loopback "
         f"(s3fs), alternating, {result['rounds']} rounds. Training time: the sum of the steps' "
-        "`timing_s/step` (saves happen between steps, in both variants). Medians over rounds.",
+        "`timing_s/step` (saves happen between steps, in both variants). Medians over rounds. "
+        "The S3 server runs on the same two cores as training (its CPU time is the last "
+        "column); a remote store's work would not.",
         "",
         "| mirror | training s | vs none | median step s | mean step s while uploading "
-        "| uploads | upload s (median) | MB each |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| uploads | upload s (median) | MB each | S3 server CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant, runs in by.items():
         train_s = statistics.median(r["train_s"] for r in runs)
@@ -149,6 +160,7 @@ def write_markdown(result: dict, path: Path) -> None:
             f"{statistics.median(r['uploads'] for r in runs):.0f}",
             f"{statistics.median(seconds):.3f}" if seconds else "–",
             f"{statistics.median(sizes):.1f}" if sizes else "–",
+            f"{statistics.median(r['server_cpu_s'] for r in runs):.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     resume = result["resume"]
@@ -181,7 +193,7 @@ def main() -> None:
         env = os.environ | server.env
         train(Path(tmp) / "warm", 1, 0, "", env)  # builds builtin:tiny once, outside the timing
         for index, variant in alternating(args.rounds, ["none", "s3"]):
-            run = measure(variant, Path(tmp) / f"{variant}-{index}", args, env, bucket)
+            run = measure(variant, Path(tmp) / f"{variant}-{index}", args, env, bucket, server)
             runs.append(run)
             print(json.dumps(run), flush=True)
         resume = resume_check(Path(tmp), args, env, bucket)
