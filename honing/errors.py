@@ -34,3 +34,8 @@ class Terminated(KeyboardInterrupt):
     removed, the logs are flushed, and the CLI exits with 143 (128 + SIGTERM)."""
 
     exit_status = 143
+
+
+def error_line(err: BaseException) -> str:
+    """``Type: message``, its first line: how an error is named in an event."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]

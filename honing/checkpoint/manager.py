@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import tempfile
@@ -32,14 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from honing.checkpoint.disk import FULL_BELOW, free_bytes, is_write_failure, says_no_space
-from honing.checkpoint.manifest import verify, write_manifest
+from honing.checkpoint.manifest import (
+    MARKER,
+    STEP_DIR,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    verify,
+    write_manifest,
+)
 from honing.checkpoint.mirror import Mirror, Upload, Uploader
-from honing.errors import UserError
+from honing.errors import UserError, error_line
 
-MARKER = "COMPLETE"
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
-_STEP_DIR = re.compile(r"step_(\d+)")
 EventSink = Callable[..., None]
 
 
@@ -167,7 +169,7 @@ class CheckpointManager:
         except Exception as err:
             if not is_write_failure(err):
                 raise
-            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            reason = error_line(err)
             free = free_bytes(self.root)
             # Free space is read after the partial checkpoint was removed, so it can look ample.
             full = says_no_space(err) or (free is not None and free < FULL_BELOW)
@@ -222,6 +224,13 @@ class CheckpointManager:
     def _push_mirror(self, local: Path, step: int) -> None:
         """Queues a fresh checkpoint's upload to the mirror; a failure is reported (an event),
         never raised: the local checkpoint stands and the next push tries again."""
+        try:
+            self._start_uploader().submit(local, step)
+        except OSError as err:  # no room for the staging links
+            reason = error_line(err)
+            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason, attempts=0)
+
+    def _start_uploader(self) -> Uploader:
         if self.uploader is None:
             attempts, backoff_s = self.mirror_retry
             self.uploader = Uploader(
@@ -231,11 +240,7 @@ class CheckpointManager:
                 backoff_s=backoff_s,
                 on_done=self._uploaded,
             )
-        try:
-            self.uploader.submit(local, step)
-        except OSError as err:  # no room for the staging links
-            reason = f"{type(err).__name__}: {err}".splitlines()[0]
-            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason, attempts=0)
+        return self.uploader
 
     def _uploaded(self, upload: Upload) -> None:
         if upload.ok:
@@ -275,12 +280,22 @@ class CheckpointManager:
             metrics["checkpoint/mirror_upload_mb"] = sum(u.bytes for u in good) / 2**20
         return metrics
 
+    def abandon_mirror_after(self, step: int) -> None:
+        """A rollback to ``step``: the mirror's copies of later steps lose their markers
+        (no resume chooses them) behind the uploads already queued, and are deleted at the
+        next upload's prune."""
+        if self.mirror is not None:
+            self._start_uploader().abandon_after(step)
+
     def finish_uploads(self, timeout_s: float = 600.0) -> list[int]:
-        """Waits up to ``timeout_s`` for the mirror's queued uploads (the end of a run);
-        the steps left unfinished are reported (``mirror_unfinished``) and returned. Their
-        local checkpoints are untouched."""
+        """Waits up to ``timeout_s`` for the mirror's queued uploads (the end of a run; a
+        ``mirror_waiting`` event first when there are any); the steps left unfinished are
+        reported (``mirror_unfinished``) and returned. Their local checkpoints are
+        untouched."""
         if self.uploader is None:
             return []
+        if pending := self.uploader.pending:
+            self._event("mirror_waiting", uploads=pending, url=self.mirror.url, at_most_s=timeout_s)
         unfinished = self.uploader.close(timeout_s)
         self.uploader = None
         if unfinished:
@@ -324,7 +339,7 @@ class CheckpointManager:
             return []
         steps = []
         for entry in self.root.iterdir():
-            match = _STEP_DIR.fullmatch(entry.name)
+            match = STEP_DIR.fullmatch(entry.name)
             if match and entry.is_dir() and (entry / MARKER).is_file():
                 steps.append(int(match.group(1)))
         return sorted(steps)
@@ -344,7 +359,7 @@ class CheckpointManager:
             return []
         leftovers = []
         for entry in self.root.iterdir():
-            unmarked_step = _STEP_DIR.fullmatch(entry.name) and not (entry / MARKER).is_file()
+            unmarked_step = STEP_DIR.fullmatch(entry.name) and not (entry / MARKER).is_file()
             if entry.name.startswith(TMP_PREFIX) or unmarked_step:
                 leftovers.append(entry)
         return sorted(leftovers)
@@ -427,21 +442,23 @@ class CheckpointManager:
         """Fetches the mirror's newest good copy into the local tier, or ``None``.
 
         Raises:
-            UserError: The mirror cannot be listed (an endpoint down, wrong credentials):
-                starting afresh would silently drop the run's progress.
+            UserError: The mirror cannot be listed (an endpoint down, wrong credentials), or
+                it holds copies and none could be fetched: starting afresh would silently
+                drop the run's progress (and its pushes would overwrite those copies).
         """
         if self.mirror is None:
             return None
         try:
             steps = self.mirror.complete_steps()
         except Exception as err:
-            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            reason = error_line(err)
             raise UserError(
                 f"--resume auto: no checkpoint under {self.root}, and the mirror "
                 f"{self.mirror.url} cannot be read ({reason}); fix its endpoint or credentials "
                 "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... for s3://), or start afresh with "
                 "--resume never"
             ) from None
+        first_reason = ""
         for step in reversed(steps):
             source = self.mirror.path_for(step)
             try:
@@ -449,10 +466,18 @@ class CheckpointManager:
                     step, partial(self.mirror.fetch, step), manifest_from_writer=True
                 )
             except Exception as err:  # damaged, or the download failed: try an older copy
-                reason = f"{type(err).__name__}: {err}".splitlines()[0]
+                reason = error_line(err)
+                first_reason = first_reason or reason
                 self._event("checkpoint_corrupt", path=source, tier="mirror", reason=reason)
                 continue
             self._event("checkpoint_verified", path=str(path), tier="mirror")
             self._event("checkpoint_from_mirror", step=step, source=source, path=str(path))
             return path
+        if steps:
+            raise UserError(
+                f"--resume auto: no checkpoint under {self.root}, and none of the "
+                f"{len(steps)} copies in the mirror {self.mirror.url} could be fetched and "
+                f"verified (the newest: {first_reason}); fix access to the mirror, or start "
+                "afresh with --resume never into another checkpoint.mirror_url"
+            )
         return None

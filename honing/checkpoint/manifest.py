@@ -16,11 +16,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
-_SKIP = {MANIFEST, "COMPLETE"}
+MARKER = "COMPLETE"  # written last: a directory without it is never loaded
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"  # what is being written or deleted; never loaded
+STEP_DIR = re.compile(r"step_(\d+)")
+_SKIP = {MANIFEST, MARKER}
 _CHUNK = 1 << 20
 
 

@@ -26,23 +26,20 @@ Limits: one writer per mirror URL (point each run at its own); local mirrors are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
-import queue
-import re
 import secrets
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from honing.errors import ConfigError
-
-MARKER = "COMPLETE"
-TMP_PREFIX = ".tmp-"
-_STEP_DIR = re.compile(r"step_(\d+)")
+from honing.checkpoint.manifest import MARKER, STEP_DIR, TMP_PREFIX
+from honing.errors import ConfigError, error_line
 
 
 class Mirror:
@@ -101,15 +98,26 @@ class Mirror:
         self.fs.rm(path, recursive=True)
 
     def complete_steps(self) -> list[int]:
-        """Steps of the copies that hold a marker, ascending ([] when the mirror is empty)."""
-        if not self.fs.exists(self.root):
+        """Steps of the copies that hold a marker, ascending ([] when the mirror is empty).
+
+        Raises:
+            Any fsspec or OS error but ``FileNotFoundError``: the mirror cannot be listed.
+        """
+        return sorted(step for step, marked in self._copies() if marked)
+
+    def _copies(self) -> list[tuple[int, bool]]:
+        """Every ``step_<N>`` in the mirror, with whether it holds its marker."""
+        try:
+            # not exists(): s3fs answers False for a bucket it cannot reach
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
             return []
-        steps = []
-        for entry in self.fs.ls(self.root, detail=False):
-            match = _STEP_DIR.fullmatch(posixpath.basename(entry.rstrip("/")))
-            if match and self.fs.exists(posixpath.join(entry, MARKER)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        copies = []
+        for entry in entries:
+            match = STEP_DIR.fullmatch(posixpath.basename(entry.rstrip("/")))
+            if match:
+                copies.append((int(match.group(1)), self.fs.exists(posixpath.join(entry, MARKER))))
+        return copies
 
     def check(self) -> str:
         """Writes, reads back and deletes a probe object under the mirror's root (``honing
@@ -118,7 +126,8 @@ class Mirror:
         Raises:
             Any fsspec or OS error: the mirror cannot be written (endpoint, credentials).
         """
-        self.fs.makedirs(self.root, exist_ok=True)
+        if _is_local(self.fs):  # an object store's bucket is not made here: a typo would be
+            self.fs.makedirs(self.root, exist_ok=True)
         probe = posixpath.join(self.root, f"{TMP_PREFIX}probe-{secrets.token_hex(4)}")
         self.fs.pipe_file(probe, b"honing")
         try:
@@ -131,13 +140,27 @@ class Mirror:
         return f"{self.url} writable ({held})"
 
     def prune(self, keep: int, protect: int) -> list[int]:
-        """Deletes the oldest complete copies beyond the newest ``keep``, never ``protect``
-        (the copy just pushed); returns their steps."""
-        steps = self.complete_steps()
-        doomed = [s for s in steps[: max(len(steps) - keep, 0)] if s != protect]
+        """Deletes the oldest complete copies beyond the newest ``keep`` (0 = keep all),
+        never ``protect`` (the copy just pushed), and every copy without its marker (a push
+        cut off, a copy abandoned by a rollback; one writer per URL, so none is under way);
+        returns the steps of the complete copies removed."""
+        copies = self._copies()
+        for step, marked in copies:
+            if not marked and step != protect:
+                self._remove(self.path_for(step))
+        steps = sorted(step for step, marked in copies if marked)
+        doomed = [s for s in steps[: max(len(steps) - keep, 0)] if s != protect] if keep else []
         for step in doomed:
             self._remove(self.path_for(step))
         return doomed
+
+    def abandon_after(self, step: int) -> list[int]:
+        """Takes the markers off the copies of steps after ``step`` (a rollback's abandoned
+        stretch), so that no resume chooses them; their files go at the next prune."""
+        later = [s for s in self.complete_steps() if s > step]
+        for later_step in later:
+            self.fs.rm(posixpath.join(self.path_for(later_step), MARKER))
+        return later
 
     def fetch(self, step: int, into: Path) -> None:
         """Copies the files of the copy of ``step`` (all but the marker) into ``into``.
@@ -182,7 +205,8 @@ class Uploader:
         mirror: where the copies go.
         keep: copies the mirror keeps (0 = all), applied after each successful push.
         attempts: tries per checkpoint; a try that fails waits ``backoff_s`` × its number.
-        on_done: called on the upload thread with each ``Upload`` as it ends.
+        on_done: called on the upload thread with each ``Upload`` as it ends, until
+            ``close``; what it raises is dropped (an upload never stops the others).
     """
 
     def __init__(
@@ -197,12 +221,11 @@ class Uploader:
         self.mirror, self.keep = mirror, keep
         self.attempts, self.backoff_s = max(attempts, 1), backoff_s
         self.on_done = on_done
-        self._queue: queue.Queue[tuple[Path, int] | None] = queue.Queue()
+        self._lock = threading.Condition()  # guards everything below; notified on changes
+        self._queue: deque[tuple[Path, int] | tuple[None, int]] = deque()
         self._finished: list[Upload] = []
-        self._lock = threading.Lock()
-        self._pending = 0
         self._current: int | None = None  # the step under way
-        self._idle = threading.Condition(self._lock)
+        self._closed = False
         self._thread = threading.Thread(target=self._work, name="honing-mirror", daemon=True)
         self._thread.start()
 
@@ -216,15 +239,26 @@ class Uploader:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        self._put((staging, step))
+
+    def abandon_after(self, step: int) -> None:
+        """Queues the removal of the mirror's copies of steps after ``step`` (a rollback
+        left them behind), behind the uploads already queued."""
+        self._put((None, step))
+
+    def _put(self, item) -> None:
         with self._lock:
-            self._pending += 1
-        self._queue.put((staging, step))
+            if self._closed:
+                raise RuntimeError("the uploader is closed")
+            self._queue.append(item)
+            self._lock.notify_all()
 
     @property
     def pending(self) -> int:
         """Uploads queued or under way."""
         with self._lock:
-            return self._pending
+            queued = sum(staging is not None for staging, _ in self._queue)
+            return queued + (self._current is not None)
 
     def take(self) -> list[Upload]:
         """The uploads that ended since the last call, in order."""
@@ -233,54 +267,63 @@ class Uploader:
         return done
 
     def close(self, timeout_s: float) -> list[int]:
-        """Waits up to ``timeout_s`` for the queued uploads, then stops the thread; returns
-        the steps still unfinished (their staging directories are left to the next start's
-        clean-up, their local checkpoints untouched)."""
+        """Waits up to ``timeout_s`` for the queued work, then stops the thread; returns the
+        steps whose uploads did not end (the one under way finishes unreported; the queued
+        ones are dropped with their staging directories; their local checkpoints are
+        untouched)."""
         deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._pending and time.monotonic() < deadline:
-                self._idle.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        unfinished = []
-        while True:  # what never started is dropped
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                unfinished.append(item[1])
-                shutil.rmtree(item[0], ignore_errors=True)
-        self._queue.put(None)
         with self._lock:
-            if self._pending > len(unfinished) and self._current is not None:
-                unfinished.append(self._current)
+            while (self._queue or self._current is not None) and time.monotonic() < deadline:
+                self._lock.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            self._closed = True
+            dropped, self._queue = list(self._queue), deque()
+            unfinished = [] if self._current is None else [self._current]
+            self._lock.notify_all()
+        for staging, step in dropped:
+            if staging is not None:
+                unfinished.append(step)
+                shutil.rmtree(staging, ignore_errors=True)
         return sorted(unfinished)
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            staging, step = item
+        while True:
             with self._lock:
-                self._current = step
-            upload = self._push(staging, step)
-            shutil.rmtree(staging, ignore_errors=True)
-            if self.on_done is not None:
-                self.on_done(upload)
-            with self._idle:
-                self._current = None
-                self._finished.append(upload)
-                self._pending -= 1
-                self._idle.notify_all()
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                staging, step = self._queue.popleft()
+                self._current = step if staging is not None else None
+            if staging is None:
+                with contextlib.suppress(Exception):  # the next push's prune tries again
+                    self.mirror.abandon_after(step)
+                continue
+            upload = None
+            try:
+                upload = self._push(staging, step)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+                with self._lock:
+                    self._current = None
+                    closed = self._closed
+                    if upload is not None:
+                        self._finished.append(upload)
+                    self._lock.notify_all()
+            if upload is not None and self.on_done is not None and not closed:
+                with contextlib.suppress(Exception):  # a closed log must not stop the uploads
+                    self.on_done(upload)
 
     def _push(self, staging: Path, step: int) -> Upload:
-        size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
-        started, detail = time.perf_counter(), ""
+        started, detail, size = time.perf_counter(), "", 0
         for attempt in range(1, self.attempts + 1):
             try:
+                size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
                 path = self.mirror.push(staging, step)
-                pruned = self.mirror.prune(self.keep, protect=step) if self.keep else []
+                pruned = self.mirror.prune(self.keep, protect=step)
                 seconds = time.perf_counter() - started
                 return Upload(step, True, seconds, size, attempt, path, pruned)
             except Exception as err:  # the endpoint, the network, the credentials
-                detail = f"{type(err).__name__}: {err}".splitlines()[0]
+                detail = error_line(err)
                 if attempt < self.attempts:
                     time.sleep(self.backoff_s * attempt)
         return Upload(step, False, time.perf_counter() - started, size, self.attempts, detail, [])
@@ -291,3 +334,8 @@ def _link_or_copy(source: str, target: str) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def _is_local(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols

@@ -12,17 +12,15 @@ once to verify it.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
 
-from honing.checkpoint.manager import MARKER, read_marker
-from honing.checkpoint.manifest import manifest_size, verify
+from honing.checkpoint.manager import read_marker
+from honing.checkpoint.manifest import MARKER, STEP_DIR, manifest_size, verify
 
 SCORE_KEY = "critic/score/mean"
 VAL_KEY = "val/accuracy"
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def _metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -77,7 +75,7 @@ def list_checkpoints(run_dir: str | Path) -> list[dict[str, Any]]:
     metrics = _metrics_by_step(run_dir)
     rows = []
     for entry in root.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name)
+        match = STEP_DIR.fullmatch(entry.name)
         if match and entry.is_dir():
             rows.append(_row(entry, int(match.group(1)), metrics))
     rows.sort(key=lambda row: row["step"])

@@ -90,10 +90,24 @@ class TrainLoop:
                 every = self.config.checkpoint.every
                 if last or (every and step % every == 0):
                     self._save(step)
-        finally:
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: uploads under way get a short while
+            self._end(step, alerting, upload_wait_s=30.0)
+            raise
+        except BaseException:
+            self._end(step, alerting)
+            raise
+        self._end(step, alerting)
+
+    def _end(self, step: int, alerting: Alerting, upload_wait_s: float = 600.0) -> None:
+        """The producer stopped, the mirror's queued uploads awaited, the alerts closed:
+        each whatever the one before it raised."""
+        try:
             self._stop_producer(step, "end of run")
-            self.checkpoints.finish_uploads()
-            alerting.close()
+        finally:
+            try:
+                self.checkpoints.finish_uploads(upload_wait_s)
+            finally:
+                alerting.close()
 
     def _start_producer(self, start_step: int) -> None:
         """Under ``one_step`` / ``async``, rollouts are produced ahead on other threads."""
@@ -151,6 +165,7 @@ class TrainLoop:
         self._start_producer(target)
         alerting.engine.reset()
         abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
+        self.checkpoints.abandon_mirror_after(target)
         dropped = self.logger.truncate_after(target)
         self.logger.log_event(
             "rollback",

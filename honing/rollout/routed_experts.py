@@ -48,9 +48,12 @@ def routed_experts(shape: RoutingShape | None, prompt_len: int, answer: dict, ch
         if answer.get("prompt_routed_experts") is not None:  # vLLM, honing's server
             prompt = torch.tensor(answer["prompt_routed_experts"], dtype=torch.int16)
             answered = torch.tensor(choice.get("routed_experts"), dtype=torch.int16)
-            if answered.numel() and answered.shape[1:] != prompt.shape[1:]:
+            if prompt.dim() != 3 or len(prompt) != prompt_len:
+                return None  # rows that do not line up with the tokens would replay wrongly
+            answered = answered.reshape(-1, *prompt.shape[1:])  # [] for a one-token response
+            if len(answered) not in (len(ids) - 1, len(ids)):
                 return None
-            experts = torch.cat([prompt, answered.reshape(-1, *prompt.shape[1:])])[:rows]
+            experts = torch.cat([prompt, answered])[:rows]
         else:
             flat = (choice.get("meta_info") or {}).get("routed_experts")
             if flat is None:
@@ -73,13 +76,20 @@ def sglang_experts(shape: RoutingShape | None, flat, rows: int):
     if not isinstance(flat, str) or shape is None:
         return None
     values = torch.frombuffer(bytearray(base64.b64decode(flat)), dtype=torch.int32)
-    fits = itertools.product((rows, rows + 1), (len(shape.moe_layers), shape.num_layers))
+    moe, dense = (
+        list(shape.moe_layers),
+        sorted(set(range(shape.num_layers)) - set(shape.moe_layers)),
+    )
+    fits = itertools.product((rows, rows + 1), (len(moe), shape.num_layers))
     for length, layers in fits:  # the exact length first
-        if values.numel() == length * layers * shape.top_k:
-            experts = values.reshape(-1, layers, shape.top_k)[:rows]
-            if layers != len(shape.moe_layers):
-                experts = experts[:, list(shape.moe_layers)]
-            return experts.to(torch.int16)
+        if values.numel() != length * layers * shape.top_k:
+            continue
+        experts = values.reshape(-1, layers, shape.top_k)[:rows]
+        if layers != len(moe):
+            if dense and not bool((experts[:, dense] == -1).all()):
+                continue  # not every layer after all: the sizes only happen to agree
+            experts = experts[:, moe]
+        return experts.to(torch.int16)
     return None
 
 

@@ -23,10 +23,15 @@ def writer(payload: bytes):
 
 
 class Events(list):
-    """Collects ``on_event`` calls as ``(kind, fields)``."""
+    """Collects ``on_event`` calls as ``(kind, fields)``; ``mirror_waiting`` (whether an
+    upload is still under way when the end comes depends on timing) is kept apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = []
 
     def __call__(self, kind, **fields):
-        self.append((kind, fields))
+        (self.waiting if kind == "mirror_waiting" else self).append((kind, fields))
 
     def kinds(self):
         return [kind for kind, _ in self]
@@ -176,7 +181,8 @@ def test_the_mirror_keeps_its_newest_copies_and_reports_uploads_as_metrics(tmp_p
     assert [e[1]["pruned"] for e in events] == [[], [], [1], [2]]
 
     manager.save(5, writer(b"5" * 1000))
-    while manager.uploader.pending:
+    deadline = time.monotonic() + 30
+    while manager.uploader.pending and time.monotonic() < deadline:
         time.sleep(0.01)
     metrics = manager.mirror_metrics()
     assert metrics["checkpoint/mirror_pending"] == 0 and metrics["checkpoint/mirror_failures"] == 0
@@ -223,10 +229,55 @@ def test_uploads_still_running_at_the_end_are_reported_and_the_local_copies_stan
     manager.save(1, writer(b"one"))
     manager.save(2, writer(b"two"))
 
+    uploader = manager.uploader
     assert manager.finish_uploads(timeout_s=0.2) == [1, 2]
-    release.set()
     assert events.kinds() == ["mirror_unfinished"] and events[0][1]["steps"] == [1, 2]
+    assert events.waiting[0][1]["uploads"] == 2
+    release.set()
+    uploader._thread.join(timeout=30)
+    assert events.kinds() == ["mirror_unfinished"]  # an upload that ends late goes unreported
     assert manager.complete_steps() == [1, 2]
+    assert sorted(os.listdir(tmp_path / "local")) == ["step_1", "step_2"]  # staging removed
+
+
+def test_an_event_sink_that_raises_stops_no_upload(tmp_path):
+    def closed_log(kind, **fields):
+        raise ValueError("sink is closed")
+
+    manager = CheckpointManager(
+        tmp_path / "local", keep=3, mirror_url=str(tmp_path / "archive"), on_event=closed_log
+    )
+    for step in (1, 2):
+        manager.save(step, writer(bytes([step])))
+    assert manager.uploader.close(timeout_s=30) == []
+    assert manager.mirror.complete_steps() == [1, 2]
+
+
+def test_a_rollback_takes_the_abandoned_copies_out_of_the_mirror(tmp_path):
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(tmp_path / "local", keep=5, mirror_url=str(archive))
+    for step in (1, 2, 3):
+        manager.save(step, writer(bytes([step])))
+    manager.abandon_mirror_after(1)  # the stretch after step 1 went bad
+    manager.finish_uploads()
+    assert manager.mirror.complete_steps() == [1]
+    (archive / "step_5").mkdir()  # a push cut off before its marker
+    manager.save(2, writer(b"new 2"))  # the new stretch
+    manager.finish_uploads()
+    assert sorted(os.listdir(archive)) == ["step_1", "step_2"]  # markerless copies deleted
+    assert (archive / "step_2" / "weights.bin").read_bytes() == b"new 2"
+
+
+def test_a_mirror_whose_copies_cannot_be_fetched_stops_the_resume(tmp_path):
+    """Starting afresh would push over the mirror's copies: say what to fix instead."""
+    archive = tmp_path / "archive"
+    manager = CheckpointManager(tmp_path / "local", keep=3, mirror_url=str(archive))
+    manager.save(1, writer(b"one"))
+    manager.finish_uploads()
+    shutil.rmtree(tmp_path / "local")
+    (archive / "step_1" / "weights.bin").write_bytes(b"rot")
+    with pytest.raises(UserError, match="none of the 1 copies in the mirror .* could be fetched"):
+        manager.resolve("auto")
 
 
 def test_auto_falls_back_to_the_mirror_when_the_local_tier_is_lost(tmp_path):

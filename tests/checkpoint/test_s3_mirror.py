@@ -127,8 +127,24 @@ def test_the_mirror_check_writes_a_probe_and_a_dead_endpoint_fails_it(s3):
     from honing.checkpoint.mirror import Mirror
 
     mirror = Mirror("s3://honing-runs/probe")
+    with pytest.raises(FileNotFoundError, match="bucket does not exist"):
+        mirror.check()  # a bucket is not made by a check: a typo would be
+    mirror.fs.mkdir("honing-runs")
     assert mirror.check() == "s3://honing-runs/probe writable (empty)"
     assert mirror.fs.find("honing-runs/probe") == []  # the probe is gone
     s3.kill()
     with pytest.raises(Exception, match="Could not connect"):
         Mirror("s3://honing-runs/probe").check()
+
+
+def test_an_unreachable_bucket_is_an_error_not_a_fresh_start(s3, tmp_path):
+    """A bucket URL with no prefix too: s3fs's exists() answers False for a bucket it cannot
+    reach, which must not read as an empty mirror."""
+    from honing.checkpoint import CheckpointManager
+    from honing.errors import UserError
+
+    s3.kill()
+    for url in ("s3://honing-runs", "s3://honing-runs/run"):
+        manager = CheckpointManager(tmp_path / "local", keep=2, mirror_url=url)
+        with pytest.raises(UserError, match="cannot be read .*Could not connect"):
+            manager.resolve("auto")

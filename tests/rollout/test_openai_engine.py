@@ -418,3 +418,9 @@ def test_sglang_bytes_that_list_dense_layers_keep_the_moe_layers_rows():
     assert torch.equal(sglang_experts(shape, flat, 3), rows[:, [1, 3]].to(torch.int16))
     assert torch.equal(sglang_experts(shape, flat, 2), rows[:2, [1, 3]].to(torch.int16))
     assert sglang_experts(shape, flat, 4) is None
+    # 2 rows of every layer and 3 rows of the MoE layers have the same size: the dense
+    # layer's values (not -1) say which one the bytes are
+    shape = RoutingShape(moe_layers=(0, 1), num_layers=3, top_k=2)
+    moe_rows = torch.arange(3 * 2 * 2, dtype=torch.int32).reshape(3, 2, 2)
+    flat = base64.b64encode(moe_rows.numpy().tobytes()).decode()
+    assert torch.equal(sglang_experts(shape, flat, 2), moe_rows[:2].to(torch.int16))
