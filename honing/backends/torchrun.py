@@ -17,6 +17,7 @@ Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -130,6 +131,14 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
             with lead(group, parts, config) as leader:
                 result = run_training(config, run_dir, parts, prepared, log, peers=leader)
         leave(group, wait=ended_well)  # all ranks together, unless one failed
+        if rank != 0 and ended_well:
+            # A follower has nothing left to write: it ends here, without the interpreter's
+            # teardown, where the C++ destructors of gloo's and FSDP's threads can still
+            # abort ("terminate called without an active exception").
+            close(parts)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return result
     finally:
         leave(group, wait=False)  # this rank failed; after a leave, nothing
