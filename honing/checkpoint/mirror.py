@@ -224,7 +224,8 @@ class Uploader:
         self._lock = threading.Condition()  # guards everything below; notified on changes
         self._queue: deque[tuple[Path, int] | tuple[None, int]] = deque()
         self._finished: list[Upload] = []
-        self._current: int | None = None  # the step under way
+        self._current: int | None = None  # the step whose upload is under way
+        self._busy = False  # an item (an upload or an abandon) is under way
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="honing-mirror", daemon=True)
         self._thread.start()
@@ -273,7 +274,7 @@ class Uploader:
         untouched)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while (self._queue or self._current is not None) and time.monotonic() < deadline:
+            while (self._queue or self._busy) and time.monotonic() < deadline:
                 self._lock.wait(timeout=max(deadline - time.monotonic(), 0.0))
             self._closed = True
             dropped, self._queue = list(self._queue), deque()
@@ -293,18 +294,19 @@ class Uploader:
                 if self._closed:
                     return
                 staging, step = self._queue.popleft()
-                self._current = step if staging is not None else None
-            if staging is None:
-                with contextlib.suppress(Exception):  # the next push's prune tries again
-                    self.mirror.abandon_after(step)
-                continue
+                self._busy, self._current = True, step if staging is not None else None
             upload = None
             try:
-                upload = self._push(staging, step)
+                if staging is None:
+                    with contextlib.suppress(Exception):  # the next push's prune tries again
+                        self.mirror.abandon_after(step)
+                else:
+                    upload = self._push(staging, step)
             finally:
-                shutil.rmtree(staging, ignore_errors=True)
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
                 with self._lock:
-                    self._current = None
+                    self._busy, self._current = False, None
                     closed = self._closed
                     if upload is not None:
                         self._finished.append(upload)

@@ -268,6 +268,24 @@ def test_a_rollback_takes_the_abandoned_copies_out_of_the_mirror(tmp_path):
     assert (archive / "step_2" / "weights.bin").read_bytes() == b"new 2"
 
 
+def test_the_end_of_run_wait_covers_an_abandon_under_way(tmp_path):
+    """A slow endpoint: the wait at the end returns only once the abandoned copies have
+    lost their markers, not as soon as the queue is empty."""
+    manager = CheckpointManager(tmp_path / "local", keep=5, mirror_url=str(tmp_path / "archive"))
+    for step in (1, 2):
+        manager.save(step, writer(bytes([step])))
+    abandon = manager.mirror.abandon_after
+
+    def slow_abandon(step):
+        time.sleep(0.5)
+        return abandon(step)
+
+    manager.mirror.abandon_after = slow_abandon
+    manager.abandon_mirror_after(1)
+    assert manager.finish_uploads() == []
+    assert manager.mirror.complete_steps() == [1]
+
+
 def test_a_mirror_whose_copies_cannot_be_fetched_stops_the_resume(tmp_path):
     """Starting afresh would push over the mirror's copies: say what to fix instead."""
     archive = tmp_path / "archive"
