@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -109,6 +110,12 @@ def leave(group, wait: bool) -> None:
         dist.barrier(group=group)
     _JOINED.remove(group)
     dist.destroy_process_group()
+    # destroy_process_group does not join gloo's worker threads. A worker that ran the last
+    # collective may still be dropping that work, whose tensors' Python objects need the GIL;
+    # if the interpreter is finalizing by then, the worker is forced to exit through a noexcept
+    # frame and the process aborts ("terminate called without an active exception"). A short
+    # sleep hands the GIL over so the workers finish before this rank goes on to exit.
+    time.sleep(0.1)
 
 
 def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
