@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from honing.monitor import RunLogger
 from honing.monitor.logger import distribution_metrics
 from honing.monitor.system import system_metrics
+from honing.services.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scrape-every", type=int, default=10, help="steps between scrapes")
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for repeat in range(args.repeats):  # configs interleaved, so drift hits all alike
         for name, options in CONFIGS.items():
@@ -178,14 +179,6 @@ def main() -> None:
         )
         print(f"{name:38s} mean {mean_ms:6.3f} ms/step = {rows[-1]['percent_of_step_time']:.2f}%")
     _write(rows, step_s, args)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _write(rows: list[dict], step_s: float, args: argparse.Namespace) -> None:

@@ -9,11 +9,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from honing.services.process import free_port
 
 
 class S3Server:

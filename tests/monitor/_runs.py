@@ -1,7 +1,6 @@
 """Short real runs for the monitor tests: the micro model trained through ``honing train``."""
 
 import json
-import socket
 from pathlib import Path
 
 from honing.cli import main
@@ -21,10 +20,3 @@ def logged(run_dir: Path, name: str) -> dict[int, float]:
     """Step -> value of ``name`` in the run's ``metrics.jsonl``."""
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return {record["step"]: record[name] for record in records if name in record}
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (another process may take it before it is used)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from honing.monitor.prometheus import PrometheusSink
-from tests.monitor._runs import free_port, logged, train
+from honing.services.process import free_port
+from tests.monitor._runs import logged, train
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "honing.json"

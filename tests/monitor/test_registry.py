@@ -23,6 +23,7 @@ from honing.monitor.registry import (
     register_sink,
 )
 from honing.monitor.sinks import TensorBoardSink
+from honing.services.process import free_port
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,6 @@ class Monitor:
 
 def context(tmp_path, **options):
     return SinkContext(tmp_path, 10, Monitor(**options), io.StringIO())
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_each_switch_enables_its_sink(tmp_path):

@@ -22,7 +22,8 @@ import yaml
 
 from honing.monitor.integrations import MLFLOW_RUN_ID_FILE, flatten_params, wandb_run_id
 from honing.monitor.registry import SINKS, SinkPlugin
-from tests.monitor._runs import free_port, logged, train
+from honing.services.process import free_port
+from tests.monitor._runs import logged, train
 
 pytestmark = pytest.mark.slow
 STEPS = 3

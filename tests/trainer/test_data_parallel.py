@@ -3,7 +3,6 @@ metrics of one process (within float tolerance), for several mini-batch / micro-
 
 import dataclasses
 import json
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.services.process import free_port
 from honing.trainer.batch import collate
 from honing.trainer.engine import OneProcess, Replicated, TrainedModule
 from honing.trainer.update import UpdateSettings, update_policy
@@ -19,12 +19,6 @@ from .test_update import PAD, make_rollouts
 
 CPU = torch.device("cpu")
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _setup(model_dir: str):
@@ -81,7 +75,7 @@ def test_two_ranks_end_where_one_process_does(micro_model_dir, tmp_path, split):
     )
     single, single_metrics = _run(str(micro_model_dir), settings)
     out = str(tmp_path / "rank")
-    mp.spawn(_worker, args=(str(micro_model_dir), settings, _free_port(), out), nprocs=WORLD)
+    mp.spawn(_worker, args=(str(micro_model_dir), settings, free_port(), out), nprocs=WORLD)
     ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
     before = _setup(str(micro_model_dir))[0].state_dict()
     moved = 0
