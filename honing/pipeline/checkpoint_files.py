@@ -230,12 +230,6 @@ def write_trainer_state(parts: Components, config: Config, directory: Path, writ
             torch.save({"trainers": states, **rng}, directory / TRAINER_STATE)
         return
     schedules = {role: s.pop("scheduler") for role, s in states.items() if "scheduler" in s}
-    for state in states.values():
-        # An optimizer that has not stepped yet (the policy's during the critic's warm-up) has
-        # no moments to keep, and the template a load reads into would ask for them: left out,
-        # it starts afresh on resume, as it would have gone on.
-        if not state.get("optimizer", {"state": True}).get("state"):
-            del state["optimizer"]
     dcp.save(states, checkpoint_id=str(directory / SHARDS), process_group=layout.group)
     if writer:
         kept = {role: sorted(state) for role, state in states.items()}

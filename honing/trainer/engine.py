@@ -247,15 +247,15 @@ class TrainedModule:
         """Its weights (unless not ``module``: the policy's are saved apart, in Hugging Face
         format), its optimizer's state by parameter name (unless not ``optimizer``) and its
         schedule's; a sharded module's hold this rank's shards. An optimizer that has not
-        stepped yet gives its empty state as it is, unless ``template`` (a checkpoint is to be
-        read into it): then its state is made (zero moments, the first step counted)."""
+        stepped yet (the policy's during the critic's warm-up) has nothing to keep and is left
+        out (it starts afresh on resume, as it would have gone on), unless ``template`` (a
+        checkpoint is to be read into it): then its state is made (zero moments, the first step
+        counted)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state = {"module": self.module.state_dict()} if module else {}
         if optimizer and (self.optimizer.state or template):
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
-        elif optimizer:  # reading it by name would take a step: nothing to name yet
-            state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
