@@ -103,6 +103,7 @@ def test_plain_run_stdin_files_and_private_dir(backend):
     assert not os.path.exists(words[2])
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("backend", backends)
 def test_infinite_loop_is_killed_at_the_deadline(backend):
     started = time.monotonic()
@@ -192,7 +193,7 @@ def test_secrets_outside_the_directory_are_unreadable(backend, tmp_path):
     secret.parent.mkdir()
     secret.write_text("SECRET-KEY-MATERIAL")
     secret.chmod(0o600)
-    home_secret = os.path.expanduser("~/.honing-test-secret")
+    home_secret = os.path.expanduser(f"~/.honing-test-secret-{uuid.uuid4().hex}")
     code = (
         f"for path in ({str(secret)!r}, {home_secret!r}):\n    try:\n"
         "        print(open(path).read())\n    except OSError as e:\n        print('blocked')"
@@ -250,6 +251,7 @@ time.sleep(0.5)
 per place, then holds the files half a second."""
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("backend", namespaced)
 def test_in_memory_file_systems_are_capped(backend):
     """Flooding every writable place stops at ``tmpfs_bytes`` each, and the machine's Shmem,
