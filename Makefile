@@ -35,10 +35,15 @@ demo: setup
 	rm -rf runs/demo
 	$(VENV)/bin/honing train examples/arithmetic.yaml --output-dir runs/demo --resume never
 
+# The suite runs on every CPU (pytest-xdist; at most 4 workers, as each may hold a 3-rank
+# torchrun run); tests/conftest.py says which tests stay together or run alone.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= logical
+
 test: setup
 	$(VENV)/bin/ruff check honing tests benchmarks examples deploy
 	$(VENV)/bin/ruff format --check honing tests benchmarks examples deploy
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4
 
 # Side-by-side benchmark against TRL's GRPOTrainer (benchmarks/grpo_step.py). TRL lives in a
 # virtualenv of its own (.venv-peers) so its pins never touch honing's.

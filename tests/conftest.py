@@ -1,5 +1,9 @@
-"""Shared fixtures: a very small warm-started model and a reward with signal for it."""
+"""Shared fixtures: a very small warm-started model and a reward with signal for it; and how
+the suite runs on several workers (pytest-xdist, ``make test``): which tests stay together on
+one worker, and a test marked ``alone`` with no other test beside it."""
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,51 @@ def digit_fraction(response, ground_truth, **context):
     """Fraction of the response's characters that are digits (0 for an empty response)."""
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 '''
+
+
+# Modules whose tests share a costly fixture made once per module (a Ray cluster, served
+# engines, an MLflow server): under pytest-xdist all of a group's tests go to one worker, which
+# makes it once. The Ray modules are one group: one local cluster at a time. Every other test is
+# scheduled on its own.
+ONE_WORKER = {
+    "tests/pipeline/test_ray_backend.py": "ray",
+    "tests/pipeline/test_ray_placement.py": "ray",
+    "tests/rollout/test_openai_engine.py": "rollout-servers",
+    "tests/monitor/test_trackers_e2e.py": "trackers",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``--dist load`` (what ``-n`` gives), with the groups of ``ONE_WORKER``. (Its
+    ``xdist_group`` mark does not group under pytest 9.2: pytest-xdist issue 1386.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestsAndGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ONE_WORKER.get(nodeid.split("::", 1)[0], nodeid)
+
+    return TestsAndGroups(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _share_of_the_machine(request, tmp_path_factory):
+    """Under pytest-xdist (``make test``), a test marked ``alone`` holds the machine by
+    itself: its timings or machine-wide counters would otherwise include another worker's
+    load. Every other test holds a share; a gate taken first lets a waiting ``alone`` test in
+    before later shares (without it, a stream of short tests could hold it off for good)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent  # the session's, shared by its workers
+    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    with open(root / "machine.gate", "a") as gate, open(root / "machine.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, mode)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 @pytest.fixture(scope="session")

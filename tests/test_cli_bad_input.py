@@ -96,6 +96,7 @@ def test_resuming_into_a_read_only_run_directory(tmp_path, micro_model_dir, digi
     assert sorted(p.name for p in run.rglob("*")) == before
 
 
+@pytest.mark.alone
 def test_a_huge_prompt_is_named_by_file_and_line_without_tokenizing_it(tmp_path, micro_model_dir):
     row = lambda text: json.dumps({"prompt": text, "reward_model": {"ground_truth": "2"}})  # noqa: E731
     (tmp_path / "train.jsonl").write_text(row("1+1=") + "\n" + row("9" * 5_000_000) + "\n")

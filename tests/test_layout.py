@@ -154,3 +154,10 @@ def test_no_module_is_over_500_lines():
         if (count := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def test_the_modules_kept_on_one_worker_exist():
+    """A module renamed away from ``ONE_WORKER`` would lose its group without a sound."""
+    from tests.conftest import ONE_WORKER
+
+    assert [path for path in ONE_WORKER if not (ROOT / path).is_file()] == []

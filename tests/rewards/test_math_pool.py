@@ -26,6 +26,7 @@ def test_verdicts(pool):
     assert [r["verdict"] for r in results] == ["correct", "wrong", "correct", "unparsable"]
 
 
+@pytest.mark.alone
 def test_runaway_is_killed_within_a_second_of_its_deadline(pool):
     [result] = pool.check([(["$1$"], RUNAWAY)])
     assert result["verdict"] == "timeout"

@@ -113,6 +113,7 @@ def test_gives_up_with_a_reason_and_the_scorer_counts_it():
     httpd.shutdown()
 
 
+@pytest.mark.alone
 def test_a_busy_service_is_waited_for_as_long_as_it_asks():
     httpd, url = _start(statuses=[503, 429], retry_after="1")
     client = VerifierClient(url, retries=0, backoff_s=0.01, timeout_s=10)
@@ -126,6 +127,7 @@ def test_a_busy_service_is_waited_for_as_long_as_it_asks():
     httpd.shutdown()
 
 
+@pytest.mark.alone
 def test_a_wait_past_the_timeout_fails_at_once_with_the_reason():
     httpd, url = _start(statuses=[503] * 5, retry_after="60")
     client = VerifierClient(url, retries=3, timeout_s=2)
@@ -184,6 +186,7 @@ def test_dead_replica_is_ejected_and_every_item_is_scored(server):
     client.close()
 
 
+@pytest.mark.alone
 def test_circuit_breaker_fails_fast_when_the_service_is_down():
     client = VerifierClient(
         "http://127.0.0.1:9", retries=0, breaker_failures=2, breaker_s=30, eject_after=99

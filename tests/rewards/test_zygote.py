@@ -129,6 +129,7 @@ def test_killing_the_zygote_fails_only_that_program(backend):
     assert [r["verdict"] for r in results] == ["failed", "passed"], results
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("backend", backends)
 def test_stopping_the_parents_times_out_and_the_worker_recovers(backend):
     stopper = PARENT_CHAIN + (
@@ -145,6 +146,7 @@ def test_stopping_the_parents_times_out_and_the_worker_recovers(backend):
     assert elapsed < 0.5 + 1.0 and honest["verdict"] == "passed"
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("backend", backends)
 def test_a_stuck_zygote_is_killed_at_deadline_plus_grace(backend):
     pool = ZygotePool(backend, workers=1)

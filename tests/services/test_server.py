@@ -5,9 +5,12 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from honing.services.app import create_app
 from honing.services.server import ServerLimits
+
+pytestmark = pytest.mark.alone  # each test times the server's deadlines
 
 _PARTIAL_HEAD = b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
 
