@@ -101,8 +101,10 @@ def test_next_program_finds_no_file_and_no_process_of_the_previous(backend):
         "import os\n"
         f"paths = ('/tmp/{name}', '/dev/shm/{name}', '../{name}')\n"
         "print(os.listdir('.'), [os.path.exists(p) for p in paths], " + IPC_LOOK + ")\n"
-        f"print(sum(b'{marker}' in open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
-        "          for p in os.listdir('/proc') if p.isdigit()))"
+        "def cmdline(pid):  # a process may end between the listing and the read\n"
+        "    try:\n        return open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+        "    except OSError:\n        return b''\n"
+        f"print(sum(b'{marker}' in cmdline(p) for p in os.listdir('/proc') if p.isdigit()))"
     )
     pool = ZygotePool(backend, workers=1)
     try:
