@@ -7,6 +7,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# PyPI's Linux torch is the CUDA build (with ~15 nvidia packages); PyTorch's CPU index holds
+# the CPU build, which pip ranks above it (2.13.0+cpu > 2.13.0). Empty: pip's indexes only.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.honing-installed
 
 .PHONY: setup demo test lint clean bench-setup bench image
@@ -22,9 +25,26 @@ define venv_with_torch
 		echo "keeping installed torch $$($(1)/bin/python -c 'import torch; print(torch.__version__)')"; \
 	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "no CUDA here: installing the CPU build ($(TORCH))"; \
-		$(1)/bin/python -m pip install -q "$(TORCH)"; \
+		if [ -n "$(TORCH_INDEX)" ] && $(1)/bin/python -c "$$INDEX_ANSWERS" "$(TORCH_INDEX)"; then \
+			$(1)/bin/python -m pip install -q "$(TORCH)" --extra-index-url "$(TORCH_INDEX)"; \
+		else \
+			echo "setup: PyTorch's CPU index ($(TORCH_INDEX)) cannot be reached; torch from pip's own indexes"; \
+			$(1)/bin/python -m pip install -q "$(TORCH)"; \
+		fi; \
 	fi
 endef
+
+# Exits 0 when the index at argv[1] answers over HTTP (any status: it is reachable).
+define INDEX_ANSWERS
+import sys, urllib.error, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1], timeout=10).close()
+except urllib.error.HTTPError:
+    pass
+except OSError:
+    sys.exit(1)
+endef
+export INDEX_ANSWERS
 
 # uv installs the rest (21 s instead of pip's 230 s on the 2-core VM, the same versions), with
 # bytecode compiled as pip does; pip does it where uv cannot be had or fails (say, an index that
