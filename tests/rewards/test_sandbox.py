@@ -27,6 +27,8 @@ from honing.rewards.sandbox import (
     sandbox_python,
 )
 
+from ._processes import processes_with
+
 SHORT = Limits(timeout_s=1.0, max_output_bytes=64 << 10)
 ROOT = os.geteuid() == 0
 backends = [
@@ -44,19 +46,6 @@ def _run(backend: str, code: str, limits: Limits = SHORT, **kwargs):
         [python, "-c", f"# {marker}\n{code}"], limits=limits, backend=backend, **kwargs
     )
     return result, marker
-
-
-def _survivors(marker: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                    if marker.encode() in handle.read():
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def _shmem_bytes() -> int:
@@ -109,7 +98,7 @@ def test_infinite_loop_is_killed_at_the_deadline(backend):
     started = time.monotonic()
     result, marker = _run(backend, "while True:\n    pass")
     assert result.timed_out and time.monotonic() - started < 3.0
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)
@@ -117,7 +106,7 @@ def test_fork_bomb_is_contained(backend):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     result, marker = _run(backend, code, limits=Limits(timeout_s=1.0, max_processes=32))
     assert result.timed_out
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)
@@ -125,14 +114,14 @@ def test_memory_bomb_fails(backend):
     code = "blocks = []\nwhile True:\n    blocks.append(b'x' * (64 << 20))"
     result, marker = _run(backend, code, limits=Limits(timeout_s=5.0, memory_bytes=512 << 20))
     assert result.returncode != 0 and "MemoryError" in result.stderr
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)
 def test_endless_output_is_capped(backend):
     result, marker = _run(backend, "while True:\n    print('y' * 1000)")
     assert result.stdout_truncated and len(result.stdout) <= SHORT.max_output_bytes
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)
@@ -152,7 +141,7 @@ def test_child_outliving_its_parent_is_killed(backend):
     result, marker = _run(backend, code)
     assert result.returncode == 0 and "parent done" in result.stdout
     time.sleep(0.1)
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)
@@ -160,7 +149,7 @@ def test_killing_the_parent_harms_only_the_run(backend):
     code = "import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)\nos.kill(os.getppid(), 9)"
     result, marker = _run(backend, code)
     assert result.returncode != 0 or result.signal
-    assert _survivors(marker) == []
+    assert processes_with(marker) == []
 
 
 @pytest.mark.parametrize("backend", backends)

@@ -17,6 +17,8 @@ from honing.rewards.code_verifier import CodeVerifier
 from honing.rewards.sandbox import BACKENDS, Limits, backend_works
 from honing.rewards.zygote import GRACE_S, ZygotePool
 
+from ._processes import processes_with
+
 ROOT = os.geteuid() == 0
 SHORT = Limits(timeout_s=1.0)
 SQUARE = {"test_code": "def check(f):\n    assert f(3) == 9\n", "entry_point": "square"}
@@ -49,19 +51,6 @@ def _main(pool: ZygotePool, program: str, limits: Limits = SHORT):
     """Run ``program`` as a stdio program (no stdin) on the pool."""
     frame = json.dumps({"program": program}).encode()
     return pool.run("main", struct.pack(">I", len(frame)) + frame, limits)
-
-
-def _with_marker(marker: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                    if marker.encode() in handle.read():
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -110,7 +99,7 @@ def test_next_program_finds_no_file_and_no_process_of_the_previous(backend):
     try:
         first = _main(pool, plant)
         assert first.stdout.startswith("planted"), first
-        assert _with_marker(marker) == []
+        assert processes_with(marker) == []
         second = _main(pool, look)
     finally:
         pool.close()
