@@ -6,14 +6,16 @@ from honing.rewards.math_pool import MathPool
 from honing.rewards.math_verifier import MathVerifier
 
 RUNAWAY = "$9^{9^{9^{9}}}$"
-# Every check here runs under a 1 s deadline, so that a runaway is cut short; an honest check
-# on a loaded machine (another worker's runs) can take longer: the module runs alone.
+# The deadline cuts a runaway short and leaves an honest check (0.1-0.2 s here) 15 times its
+# time: 1 s was not enough on a loaded machine (seen: \log_2 16 timed out). The kill-latency
+# bound is a timing: the module runs alone.
+DEADLINE_S = 3.0
 pytestmark = pytest.mark.alone
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with MathPool(workers=2, timeout_s=1.0) as math_pool:
+    with MathPool(workers=2, timeout_s=DEADLINE_S) as math_pool:
         yield math_pool
 
 
@@ -61,7 +63,7 @@ def test_score_batch_keeps_order_and_isolates_bad_items():
         {"response": "\\boxed{9^{9^{9^{9}}}}", "ground_truth": "1"},
         {"response": "\\boxed{4}", "ground_truth": "5"},
     ]
-    with MathVerifier(workers=2, timeout_s=1.0) as verifier:
+    with MathVerifier(workers=2, timeout_s=DEADLINE_S) as verifier:
         results = verifier.score_batch(items)
     assert [(r["verdict"], r["path"]) for r in results] == [
         ("correct", "slow"),
