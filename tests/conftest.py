@@ -64,7 +64,9 @@ def _share_of_the_machine(request, tmp_path_factory):
     """Under pytest-xdist (``make test``), a test marked ``alone`` holds the machine by
     itself: its timings or machine-wide counters would otherwise include another worker's
     load. Every other test holds a share; a gate taken first lets a waiting ``alone`` test in
-    before later shares (without it, a stream of short tests could hold it off for good)."""
+    before later shares (without it, a stream of short tests could hold it off for good).
+    Only tests take it: another worker's module fixtures, and the processes they started (a
+    server booting), may still run beside an ``alone`` test, so its bounds keep a margin."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
