@@ -17,7 +17,9 @@ STAMP := $(VENV)/.honing-installed
 setup: $(STAMP)
 
 # $(call venv_with_torch,DIR): make the virtualenv DIR (if missing) and, on a machine without
-# CUDA, install the CPU build of torch into it unless a torch is already there.
+# CUDA, install the CPU build of torch into it unless a torch is already there. pip picks the
+# wheel (its configuration may name local wheels); uv installs it and compiles its bytecode on
+# every core (15 s instead of pip's 32 s on the 2-core VM); pip installs it where uv fails.
 define venv_with_torch
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
@@ -25,12 +27,21 @@ define venv_with_torch
 		echo "keeping installed torch $$($(1)/bin/python -c 'import torch; print(torch.__version__)')"; \
 	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "no CUDA here: installing the CPU build ($(TORCH))"; \
+		where=""; \
 		if [ -n "$(TORCH_INDEX)" ] && $(1)/bin/python -c "$$INDEX_ANSWERS" "$(TORCH_INDEX)"; then \
-			$(1)/bin/python -m pip install -q "$(TORCH)" --extra-index-url "$(TORCH_INDEX)"; \
+			where="--extra-index-url $(TORCH_INDEX)"; \
 		else \
 			echo "setup: PyTorch's CPU index ($(TORCH_INDEX)) cannot be reached; torch from pip's own indexes"; \
-			$(1)/bin/python -m pip install -q "$(TORCH)"; \
 		fi; \
+		rm -rf $(1)/.torch-wheel; \
+		if $(1)/bin/python -m pip install -q uv \
+			&& $(1)/bin/python -m pip download -q --no-deps -d $(1)/.torch-wheel "$(TORCH)" $$where \
+			&& $(1)/bin/uv pip install -q --python $(1)/bin/python --compile-bytecode $(1)/.torch-wheel/*.whl; \
+		then :; else \
+			echo "setup: uv did not install torch; installing with pip"; \
+			$(1)/bin/python -m pip install -q "$(TORCH)" $$where; \
+		fi; \
+		rm -rf $(1)/.torch-wheel; \
 	fi
 endef
 
