@@ -16,13 +16,14 @@ STAMP := $(VENV)/.honing-installed
 
 setup: $(STAMP)
 
-# $(call venv_with_torch,DIR): make the virtualenv DIR (if missing) and, on a machine without
-# CUDA, install the CPU build of torch into it unless a torch is already there. pip picks the
+# $(call venv_with_torch,DIR): make the virtualenv DIR (if missing) with pip and uv in it and,
+# on a machine without CUDA, install the CPU build of torch unless a torch is there. pip picks the
 # wheel (its configuration may name local wheels); uv installs it and compiles its bytecode on
 # every core (15 s instead of pip's 32 s on the 2-core VM); pip installs it where uv fails.
 define venv_with_torch
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q uv || echo "setup: uv could not be installed; pip installs"
 	@if $(1)/bin/python -c "import torch" 2>/dev/null; then \
 		echo "keeping installed torch $$($(1)/bin/python -c 'import torch; print(torch.__version__)')"; \
 	elif [ "$(TORCH)" != "skip" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
@@ -34,8 +35,7 @@ define venv_with_torch
 			echo "setup: PyTorch's CPU index ($(TORCH_INDEX)) cannot be reached; torch from pip's own indexes"; \
 		fi; \
 		rm -rf $(1)/.torch-wheel; \
-		if $(1)/bin/python -m pip install -q uv \
-			&& $(1)/bin/python -m pip download -q --no-deps -d $(1)/.torch-wheel "$(TORCH)" $$where \
+		if $(1)/bin/python -m pip download -q --no-deps -d $(1)/.torch-wheel "$(TORCH)" $$where \
 			&& $(1)/bin/uv pip install -q --python $(1)/bin/python --compile-bytecode $(1)/.torch-wheel/*.whl; \
 		then :; else \
 			echo "setup: uv did not install torch; installing with pip"; \
@@ -62,8 +62,7 @@ export INDEX_ANSWERS
 # only pip's configuration names).
 $(STAMP): pyproject.toml
 	$(call venv_with_torch,$(VENV))
-	($(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) \
-		--compile-bytecode -e ".[dev]") \
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e ".[dev]" \
 		|| (echo "setup: uv did not install; installing with pip" && $(PY) -m pip install -q -e ".[dev]")
 	touch $(STAMP)
 
