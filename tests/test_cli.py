@@ -1,7 +1,8 @@
 """The ``honing train`` entry point on bad input: one line on stderr, exit 2, nothing written.
 
-Each case runs the real command in a subprocess, so the test sees exactly what a user sees
-(stderr, exit status, files left behind). All of them fail before training starts.
+Each case runs the command in a process of its own, so the test sees exactly what a user sees
+(stderr, exit status, files left behind): started warm (``tests/warm.py``), or as the real
+interpreter where how it starts is what is checked. All of them fail before training starts.
 """
 
 import json
@@ -12,18 +13,23 @@ import sys
 import pytest
 
 from honing.config import ENV_KEYS
+from tests import warm
 
 
 def run_train(
-    tmp_path, *args: str, env: dict | None = None, wrap=()
+    tmp_path, *args: str, env: dict | None = None, wrap=(), cold=False
 ) -> subprocess.CompletedProcess:
-    """``honing train ARGS`` in a subprocess (``env`` added to a clean environment; ``wrap``:
-    a command the process runs under)."""
+    """``honing train ARGS`` in a process of its own (``env`` added to a clean environment;
+    ``wrap``: a command the process runs under, with the interpreter started afresh, as with
+    ``cold``)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS} | (env or {})
     env["HONING_CACHE"] = str(tmp_path / "cache")
     env["TOKENIZERS_PARALLELISM"] = "false"
+    cold = cold or bool(wrap)  # a fork of the warm server would not run under the wrapper
     return subprocess.run(
-        [*wrap, sys.executable, "-m", "honing.cli", "train", *args],
+        [*wrap, sys.executable, "-m", "honing.cli", "train", *args]
+        if cold
+        else warm.honing("train", *args),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -162,7 +168,7 @@ def test_overrides_may_follow_the_options(tmp_path):
 def run_serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
     """``honing serve ARGS`` on a free port (the port is taken before the app is built)."""
     return subprocess.run(
-        [sys.executable, "-m", "honing.cli", "serve", *args, "--port", "0"],
+        warm.honing("serve", *args, "--port", "0"),
         cwd=tmp_path,
         capture_output=True,
         text=True,

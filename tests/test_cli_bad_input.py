@@ -114,6 +114,7 @@ def test_a_huge_prompt_is_named_by_file_and_line_without_tokenizing_it(tmp_path,
         "reward.function=math",
         "--output-dir",
         "out",
+        cold=True,  # a process of the test's own, so that its CPU time is the test's children's
     )
     cpu_s = _children_cpu_s() - started  # the run's CPU time: a neighbour's load leaves it be
     line = error_line(result)

@@ -7,8 +7,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import httpx
+
+HONING = (sys.executable, "-m", "honing.cli")  # the command line of this interpreter's honing
 
 
 def free_port() -> int:
@@ -18,15 +21,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_service(*args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+def start_service(
+    *args: str, timeout_s: float = 60.0, honing: Sequence[str] = HONING
+) -> tuple[subprocess.Popen, str]:
     """``honing serve ARGS --port P`` on a free port; returns the process and its base URL
-    once ``/health`` answers.
+    once ``/health`` answers. ``honing``: the argv that runs honing's command line.
 
     Raises:
         RuntimeError: the process exited (with its stderr) or did not answer in time.
     """
     port = free_port()
-    command = [sys.executable, "-m", "honing.cli", "serve", *args, "--port", str(port)]
+    command = [*honing, "serve", *args, "--port", str(port)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from honing.backends import torchrun
 from honing.trainer.engine import OneProcess
+from tests import warm
 
 from ._configs import BASE
 
@@ -30,23 +31,31 @@ OVERRIDES = BASE | {
 }
 
 
-def train(tmp_path, name, model_dir, reward, ranks: int, steps: int, resume="never", **overrides):
+def train(
+    tmp_path, name, model_dir, reward, ranks: int, steps: int, resume="never", cold=False, **values
+):
+    """``honing train`` on ``ranks`` torchrun ranks (1: one plain process), started warm
+    (``tests/warm.py``) unless ``cold``; the metrics of steps >= 1 and the last checkpoint's
+    weights, the critic's under ``critic.``."""
     values = (
         OVERRIDES
-        | overrides
+        | values
         | {
             "model.path": model_dir,
             "reward.function": reward,
             "trainer.total_steps": steps,
         }
     )
-    command = ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
-    command += ["--output-dir", str(tmp_path / name), "--resume", resume]
-    if ranks > 1:
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-        launcher += ["--standalone"]  # a local rendezvous on a free port
-        command = launcher + command
-    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300)
+    args = ["train", *(f"{k}={v}" for k, v in values.items())]
+    args += ["--output-dir", str(tmp_path / name), "--resume", resume]
+    if cold:  # the interpreter afresh: torchrun's own command line
+        command = [sys.executable, "-m", "honing.cli", *args]
+        if ranks > 1:  # --standalone: a local rendezvous on a free port
+            launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+            command = [sys.executable, *launcher, "--standalone", *command[1:]]
+    else:
+        command = warm.torchrun(ranks, *args) if ranks > 1 else warm.honing(*args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
@@ -155,7 +164,7 @@ def test_when_rank_0_fails_every_rank_exits_without_waiting(tmp_path, micro_mode
     )
     started = time.monotonic()
     with pytest.raises(AssertionError) as failed:
-        train(tmp_path, "boom", micro_model_dir, f"{reward}:boom", ranks=2, steps=1)
+        train(tmp_path, "boom", micro_model_dir, f"{reward}:boom", ranks=2, steps=1, cold=True)
     assert time.monotonic() - started < 120
     assert "boom" in str(failed.value) and "terminate called" not in str(failed.value)
 

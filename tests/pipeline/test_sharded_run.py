@@ -3,6 +3,7 @@ and LoRA adapters with FSDP2 and train what one process trains; checkpoints expo
 policy in Hugging Face format and resume at another world size and under the other strategy."""
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from honing.errors import ConfigError
 from honing.pipeline import checkpoint_files
 from honing.pipeline.rules import check_config
 from honing.trainer.sharded import decoder_layers
+from tests import warm
 
 from ._configs import BASE
 from .test_data_parallel_run import OVERRIDES, assert_same_moves, initial_weights
@@ -27,18 +29,15 @@ LORA = {"model.lora_rank": 4, "model.lora_target_modules": "[q_proj,v_proj]"}
 
 
 def run(tmp_path, name, model_dir, reward, ranks, steps, strategy="fsdp", **overrides):
-    """``honing train`` on ``ranks`` torchrun ranks (1: one plain process); the metrics of
-    steps >= 1 and the policy's weights of the last checkpoint."""
+    """``honing train`` on ``ranks`` torchrun ranks (1: one plain process), started warm
+    (``tests/warm.py``); the metrics of steps >= 1 and the policy's weights of the last
+    checkpoint."""
     values = OVERRIDES | ONE_PROCESS_SAMPLING | overrides
     values |= {"model.path": model_dir, "reward.function": reward, "trainer.total_steps": steps}
     values["trainer.strategy"] = strategy
-    command = ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
-    command += ["--output-dir", str(tmp_path / name)]
-    if ranks > 1:
-        command = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
-        command += ["-m", "honing.cli", "train", *(f"{k}={v}" for k, v in values.items())]
-        command += ["--output-dir", str(tmp_path / name)]
-    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300)
+    args = ["train", *(f"{k}={v}" for k, v in values.items()), "--output-dir", tmp_path / name]
+    command = warm.torchrun(ranks, *args) if ranks > 1 else warm.honing(*args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     checkpoint = tmp_path / name / "checkpoints" / f"step_{steps}"
@@ -147,10 +146,10 @@ def test_fsdp_without_torchrun_trains_as_one_process_and_says_so(
 
 def test_ranks_launched_with_different_configs_fail_at_once(tmp_path, micro_model_dir):
     """Each rank reads its own top_k from the environment torchrun gives it."""
-    train = f"{sys.executable} -m honing.cli train model.path={micro_model_dir}"
+    train = shlex.join(warm.honing("train", f"model.path={micro_model_dir}"))
     script = f"exec {train} rollout.top_k=$RANK --output-dir {tmp_path / 'run'}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--standalone", "--no-python", "sh", "-c", script]
+    command = warm.command("torch.distributed.run", "--nproc_per_node", 2, "--standalone")
+    command += ["--no-python", "sh", "-c", script]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and time.monotonic() - started < 60

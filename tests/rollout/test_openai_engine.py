@@ -15,7 +15,8 @@ from honing.rollout.openai_engine import (
     OpenAIEngine,
     _counters,
 )
-from honing.services.process import start_service
+from honing.services.process import start_service as process_start_service
+from tests.warm import start_service
 
 CPU = torch.device("cpu")
 PROMPTS = ["12+34=", "7+8=", "55+45="]
@@ -106,8 +107,9 @@ def test_weights_sent_as_tensors_and_from_disk_change_what_is_sampled(
 
 
 def test_a_dead_endpoint_is_set_aside_and_its_requests_regenerated(micro_model_dir, tokenizer):
-    process, url = start_service("rollout", "--model", str(micro_model_dir))
-    spare, spare_url = start_service("rollout", "--model", str(micro_model_dir))
+    # started afresh: a killed server is gone (nothing listens) once its process is reaped
+    process, url = process_start_service("rollout", "--model", str(micro_model_dir))
+    spare, spare_url = process_start_service("rollout", "--model", str(micro_model_dir))
     try:
         engine = OpenAIEngine([url, spare_url], tokenizer, cooldown_s=60)
         params = SamplingParams(n=2, max_new_tokens=3, max_seq_len=64)

@@ -1,0 +1,18 @@
+"""A command for ``test_warm``: ``main()`` does what its argv says, one word at a time."""
+
+import os
+import sys
+import time
+
+
+def main() -> int:
+    for word in sys.argv[1:]:
+        if word == "where":
+            print(os.getcwd(), os.environ.get("PROBE"), os.getpid(), flush=True)
+        elif word == "shout":
+            print("to stderr", file=sys.stderr)
+        elif word == "sleep":
+            time.sleep(60)
+        elif word.startswith("exit="):
+            return int(word[5:])
+    return 0

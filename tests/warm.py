@@ -1,0 +1,201 @@
+"""``python -m honing.cli`` and ``torchrun`` for tests that run many: the commands start in
+a process forked from a warm interpreter instead of importing torch and transformers afresh.
+
+A fresh ``python -m honing.cli train`` spends ~4.5 CPU-s on its imports before it does
+anything; over the suite's runs, that was most of its CPU. Each test process (pytest or an
+xdist worker) starts one server that has imported them. ``command(module, *args)`` is an argv
+that runs like ``python -m module args``: a small client (``warm_client.py``, standard library
+only) hands the server its argv, environment, working directory and stdin/stdout/stderr; the
+server forks the command with them. The client stands for the command: it exits with the
+command's status (or dies of its signal) and passes on the signals it gets; a client that is
+killed takes the command with it, a moment after. So ``subprocess.run``, ``Popen`` and
+``torchrun --no-python`` (its ranks started through clients) behave as they do with the real
+interpreter, at a fraction of the CPU.
+
+What a fork cannot show, tests check with the real interpreter: a command's own imports
+(``test_cli``), one under ``unshare`` and the CPU time of a run (``test_cli_bad_input``),
+signals to the process itself (``test_cli_signals``), a killed server whose port is closed
+once it is reaped (``test_openai_engine``), ``torchrun -m honing.cli`` itself and a killed
+rank (``test_data_parallel_run``, ``test_sharded_run``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT = Path(__file__).with_name("warm_client.py")
+
+# What a training run and torchrun's launcher import, loaded once in the server.
+PRELOAD = (
+    "honing.cli",
+    "honing.backends.launch",
+    "honing.pipeline.components",
+    "honing.pipeline.run",
+    "honing.models.loading",
+    "transformers.models.llama.modeling_llama",
+    "torch.distributed.run",
+)
+
+
+def command(module: str, *args: object) -> list[str]:
+    """An argv that runs like ``python -m MODULE ARGS`` (from a fork of the warm server)."""
+    return [sys.executable, "-S", str(CLIENT), _socket(), module, *map(str, args)]
+
+
+def honing(*args: object) -> list[str]:
+    """``python -m honing.cli ARGS``, warm."""
+    return command("honing.cli", *args)
+
+
+def torchrun(ranks: int, *args: object, launcher: tuple = ()) -> list[str]:
+    """``torchrun --standalone --nproc_per_node RANKS LAUNCHER -m honing.cli ARGS``, warm: the
+    launcher and each rank are forks of the server."""
+    options = ["--nproc_per_node", str(ranks), "--standalone", *map(str, launcher)]
+    return command("torch.distributed.run", *options, "--no-python", *honing(*args))
+
+
+_lock = threading.Lock()
+_server: subprocess.Popen | None = None
+_path: str | None = None
+
+
+def _socket() -> str:
+    """The server's socket, starting the server on first use."""
+    global _server, _path
+    with _lock:
+        if _server is None or _server.poll() is not None:
+            _path = os.path.join(tempfile.mkdtemp(prefix="honing-warm-"), "socket")
+            # the server ends when this process does: its stdin, our pipe, closes
+            _server = subprocess.Popen(
+                [sys.executable, "-c", "from tests import warm; warm.serve()", _path],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+            )
+            atexit.register(_server.kill)
+        while not os.path.exists(_path):
+            if _server.poll() is not None:
+                raise RuntimeError(f"the warm server exited with status {_server.returncode}")
+            threading.Event().wait(0.01)
+        return _path
+
+
+def serve() -> None:
+    """The server (``python -c`` with the socket's path): imports ``PRELOAD``, then for each
+    client forks a keeper, which forks the command and watches both."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    path = sys.argv[1]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # clients connect once it listens
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped as they end
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in ready:  # the test process is gone
+            os.unlink(path)
+            return
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            _keep(conn)  # never returns
+        conn.close()
+
+
+def _keep(conn: socket.socket) -> None:
+    """The keeper of one command: starts it with the client's request and descriptors, tells
+    the client its pid and, at the end, its status; a client that goes away kills it."""
+    code = 70
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        request, fds = _receive(conn)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _command(request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        code = _watch(conn, pid)
+        conn.sendall(json.dumps({"status": code}).encode() + b"\n")
+    except OSError:
+        pass  # the client went away while we told it
+    finally:
+        os._exit(0)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not chunk:
+            raise OSError("the client closed before its request")
+        data, fds = data + chunk, fds + list(more)
+    return json.loads(data), fds
+
+
+def _watch(conn: socket.socket, pid: int) -> int:
+    """Waits for the command; until it ends, a closed connection (the client died) kills it."""
+    process = os.pidfd_open(pid)
+    watched = [process, conn]
+    while process not in select.select(watched, [], [])[0]:
+        os.kill(pid, signal.SIGKILL)  # the client sends nothing: readable means it is gone
+        watched = [process]
+    os.close(process)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _command(request: dict, fds: list[int]) -> None:
+    """The forked command: the client's descriptors as 0, 1, 2, its working directory,
+    environment and argv, then its module's ``main()`` (what ``python -m`` of each module
+    here runs); it ends as an interpreter does. Its signal handlers are an interpreter's
+    (SIGCHLD back to the default in the keeper)."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace", buffering=1)  # noqa: SIM115
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [request["module"], *request["args"]]
+        code = importlib.import_module(request["module"]).main() or 0  # what its __main__ does
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as an uncaught error would be
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            threading._shutdown()  # the interpreter's end: non-daemon threads, atexit
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(int(code) & 0xFF)
+
+
+def start_service(*args: str, **kwargs) -> tuple[subprocess.Popen, str]:
+    """``honing.services.process.start_service``, warm."""
+    from honing.services import process
+
+    return process.start_service(*args, honing=honing(), **kwargs)

@@ -1,0 +1,37 @@
+"""The client of ``tests/warm.py``'s server: ``python -S warm_client.py SOCKET MODULE ARGS``
+runs like ``python -m MODULE ARGS``. It hands the server its argv, environment, working
+directory and stdin/stdout/stderr, passes the signals it gets on to the forked command, and
+exits with its status (or dies of its signal). Standard library only, no site: it starts in
+a few milliseconds."""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def main() -> None:
+    path, module, *args = sys.argv[1:]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    replies = conn.makefile("rb")
+    pid = json.loads(replies.readline())["pid"]
+    for signum in FORWARDED:
+        signal.signal(signum, lambda signum, frame: os.kill(pid, signum))
+    line = replies.readline()
+    if not line:  # the keeper died: the command with it
+        sys.exit(70)
+    status = json.loads(line)["status"]
+    if status < 0:  # the command died of a signal: so does its stand-in
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
