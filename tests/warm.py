@@ -83,12 +83,20 @@ def _socket() -> str:
                 cwd=ROOT,
                 stdin=subprocess.PIPE,
             )
-            atexit.register(_server.kill)
+            atexit.register(_stop, _server)
         while not os.path.exists(_path):
             if _server.poll() is not None:
                 raise RuntimeError(f"the warm server exited with status {_server.returncode}")
             threading.Event().wait(0.01)
         return _path
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.stdin.close()  # the server removes its socket and ends
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def serve() -> None:
@@ -104,8 +112,9 @@ def serve() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped as they end
     while True:
         ready, _, _ = select.select([listener, sys.stdin], [], [])
-        if sys.stdin in ready:  # the test process is gone
+        if sys.stdin in ready:  # the test process has ended (or closed our pipe)
             os.unlink(path)
+            os.rmdir(os.path.dirname(path))
             return
         conn, _ = listener.accept()
         if os.fork() == 0:
