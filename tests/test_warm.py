@@ -4,6 +4,7 @@ for, as the tests that use it assume."""
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from tests import warm
@@ -56,3 +57,29 @@ def test_a_killed_client_takes_its_command_with_it():
     client.kill()
     assert client.wait(timeout=10) == -signal.SIGKILL
     assert _gone(pid)
+
+
+def test_without_pidfds_the_keeper_looks_at_its_command(tmp_path):
+    """A kernel before Linux 5.3 has no pidfd_open: the keeper polls, to the same effect."""
+    path = str(tmp_path / "s")
+    code = "import os; del os.pidfd_open; from tests import warm; warm.serve()"
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, path, "tests._warm_probe"],
+        cwd=warm.ROOT,
+        stdin=subprocess.PIPE,
+    )
+    try:
+        while not os.path.exists(path):
+            assert server.poll() is None
+            time.sleep(0.01)
+        command = [sys.executable, "-S", str(warm.CLIENT), path, "tests._warm_probe"]
+        result = subprocess.run([*command, "shout", "exit=4"], capture_output=True, text=True)
+        assert (result.returncode, result.stderr) == (4, "to stderr\n")
+        client = subprocess.Popen([*command, "where", "sleep"], stdout=subprocess.PIPE, text=True)
+        pid = int(client.stdout.readline().split()[2])
+        client.kill()
+        assert client.wait(timeout=10) == -signal.SIGKILL
+        assert _gone(pid)
+    finally:
+        server.stdin.close()
+        assert server.wait(timeout=10) == 0

@@ -76,7 +76,8 @@ def _socket() -> str:
     global _server, _path
     with _lock:
         if _server is None or _server.poll() is not None:
-            _path = os.path.join(tempfile.mkdtemp(prefix="honing-warm-"), "socket")
+            # a short path: a Unix socket's is at most 107 bytes, whatever TMPDIR is
+            _path = os.path.join(tempfile.mkdtemp(prefix="honing-warm-", dir=_short_tmp()), "s")
             # the server ends when this process does: its stdin, our pipe, closes
             _server = subprocess.Popen(
                 [sys.executable, "-c", "from tests import warm; warm.serve()", _path],
@@ -91,6 +92,11 @@ def _socket() -> str:
         return _path
 
 
+def _short_tmp() -> str | None:
+    default = tempfile.gettempdir()
+    return default if len(default) < 64 or not os.path.isdir("/tmp") else "/tmp"
+
+
 def _stop(server: subprocess.Popen) -> None:
     server.stdin.close()  # the server removes its socket and ends
     try:
@@ -100,11 +106,12 @@ def _stop(server: subprocess.Popen) -> None:
 
 
 def serve() -> None:
-    """The server (``python -c`` with the socket's path): imports ``PRELOAD``, then for each
-    client forks a keeper, which forks the command and watches both."""
-    for name in PRELOAD:
+    """The server (``python -c`` with the socket's path, then the modules to import if not
+    ``PRELOAD``): imports them, then for each client forks a keeper, which forks the command
+    and watches both."""
+    path, *preload = sys.argv[1:]
+    for name in preload or PRELOAD:
         importlib.import_module(name)
-    path = sys.argv[1]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
     listener.listen(64)
@@ -157,13 +164,23 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def _watch(conn: socket.socket, pid: int) -> int:
     """Waits for the command; until it ends, a closed connection (the client died) kills it."""
-    process = os.pidfd_open(pid)
-    watched = [process, conn]
-    while process not in select.select(watched, [], [])[0]:
-        os.kill(pid, signal.SIGKILL)  # the client sends nothing: readable means it is gone
-        watched = [process]
-    os.close(process)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        process = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3): look 20 times a second
+        process = None
+    watched = [conn]
+    while True:
+        ready = select.select(watched if process is None else [process, *watched], [], [], 0.05)[0]
+        if process is None:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                return os.waitstatus_to_exitcode(status)
+        elif process in ready:
+            os.close(process)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if conn in ready:  # the client sends nothing: readable means it is gone
+            os.kill(pid, signal.SIGKILL)
+            watched = []
 
 
 def _command(request: dict, fds: list[int]) -> None:
