@@ -30,7 +30,8 @@ def test_a_command_has_the_callers_directory_environment_output_and_status(tmp_p
 
 
 def _started(*words: str) -> tuple[subprocess.Popen, int]:
-    client = subprocess.Popen(probe("where", *words), stdout=subprocess.PIPE, text=True)
+    """The probe running ``words``, once it has said where it is (``where`` among them)."""
+    client = subprocess.Popen(probe(*words), stdout=subprocess.PIPE, text=True)
     return client, int(client.stdout.readline().split()[2])
 
 
@@ -46,14 +47,31 @@ def _gone(pid: int, within: float = 5.0) -> bool:
 
 
 def test_a_signal_to_the_client_reaches_the_command_and_is_its_status():
-    client, pid = _started("sleep")
+    client, pid = _started("trap", "where", "sleep")  # the command's handler: it exits 42
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=10) == 42
+    client, pid = _started(
+        "where", "sleep"
+    )  # no handler: it dies of the signal, and so does the client
     client.send_signal(signal.SIGTERM)
     assert client.wait(timeout=10) == -signal.SIGTERM
     assert _gone(pid)
 
 
+def test_a_command_killed_outright_is_a_client_killed_outright():
+    assert subprocess.run(probe(f"die={signal.SIGKILL}")).returncode == -signal.SIGKILL
+
+
+def test_torchs_threads_follow_the_commands_omp_num_threads():
+    """torchrun gives each rank OMP_NUM_THREADS=1, which torch reads when it is imported."""
+    for threads in ("1", "2"):
+        env = os.environ | {"OMP_NUM_THREADS": threads}
+        result = subprocess.run(probe("threads"), env=env, capture_output=True, text=True)
+        assert result.stdout == f"{threads}\n"
+
+
 def test_a_killed_client_takes_its_command_with_it():
-    client, pid = _started("sleep")
+    client, pid = _started("where", "sleep")
     client.kill()
     assert client.wait(timeout=10) == -signal.SIGKILL
     assert _gone(pid)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,11 @@ def torchrun(ranks: int, *args: object, launcher: tuple = ()) -> list[str]:
     return command("torch.distributed.run", *options, "--no-python", *honing(*args))
 
 
+# The server's environment, as it was when the suite started (not a test's monkeypatched one):
+# what the modules read as they are imported comes from it. A command's own environment is
+# the client's; of what is read at import, only OMP_NUM_THREADS (torchrun's 1 per rank) is
+# applied again in the command.
+_ENV = dict(os.environ)
 _lock = threading.Lock()
 _server: subprocess.Popen | None = None
 _path: str | None = None
@@ -82,13 +88,17 @@ def _socket() -> str:
             _server = subprocess.Popen(
                 [sys.executable, "-c", "from tests import warm; warm.serve()", _path],
                 cwd=ROOT,
+                env=_ENV,
                 stdin=subprocess.PIPE,
             )
             atexit.register(_stop, _server)
+        deadline = time.monotonic() + 120
         while not os.path.exists(_path):
             if _server.poll() is not None:
                 raise RuntimeError(f"the warm server exited with status {_server.returncode}")
-            threading.Event().wait(0.01)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the warm server did not listen within 120 s")
+            time.sleep(0.01)
         return _path
 
 
@@ -199,8 +209,14 @@ def _command(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _threads(os.environ.get("OMP_NUM_THREADS"))
         sys.argv = [request["module"], *request["args"]]
         code = importlib.import_module(request["module"]).main() or 0  # what its __main__ does
+    except KeyboardInterrupt:  # an interpreter dies of the SIGINT it did not handle
+        import traceback
+
+        traceback.print_exc()
+        code = -signal.SIGINT
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
         if isinstance(stop.code, str):
@@ -217,7 +233,20 @@ def _command(request: dict, fds: list[int]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(int(code) & 0xFF)
+
+
+def _threads(value: str | None) -> None:
+    """OMP_NUM_THREADS as torch read it when imported, here where it was imported before."""
+    try:
+        threads = int(value or "")
+    except ValueError:
+        return
+    if threads > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def start_service(*args: str, **kwargs) -> tuple[subprocess.Popen, str]:
