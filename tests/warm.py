@@ -60,11 +60,15 @@ def honing(*args: object) -> list[str]:
     return command("honing.cli", *args)
 
 
-def torchrun(ranks: int, *args: object, launcher: tuple = ()) -> list[str]:
-    """``torchrun --standalone --nproc_per_node RANKS LAUNCHER -m honing.cli ARGS``, warm: the
-    launcher and each rank are forks of the server."""
-    options = ["--nproc_per_node", str(ranks), "--standalone", *map(str, launcher)]
-    return command("torch.distributed.run", *options, "--no-python", *honing(*args))
+def launcher(ranks: int) -> list[str]:
+    """``torchrun --standalone --nproc_per_node RANKS``, warm; the rank command follows."""
+    return command("torch.distributed.run", "--nproc_per_node", ranks, "--standalone")
+
+
+def torchrun(ranks: int, *args: object) -> list[str]:
+    """``torchrun --standalone --nproc_per_node RANKS -m honing.cli ARGS``, warm: the launcher
+    and each rank are forks of the server."""
+    return [*launcher(ranks), "--no-python", *honing(*args)]
 
 
 # The server's environment, as it was when the suite started (not a test's monkeypatched one):
@@ -143,7 +147,6 @@ def serve() -> None:
 def _keep(conn: socket.socket) -> None:
     """The keeper of one command: starts it with the client's request and descriptors, tells
     the client its pid and, at the end, its status; a client that goes away kills it."""
-    code = 70
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         request, fds = _receive(conn)
@@ -212,20 +215,16 @@ def _command(request: dict, fds: list[int]) -> None:
         _threads(os.environ.get("OMP_NUM_THREADS"))
         sys.argv = [request["module"], *request["args"]]
         code = importlib.import_module(request["module"]).main() or 0  # what its __main__ does
-    except KeyboardInterrupt:  # an interpreter dies of the SIGINT it did not handle
-        import traceback
-
-        traceback.print_exc()
-        code = -signal.SIGINT
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - printed as an uncaught error would be
+    except BaseException as error:  # noqa: BLE001 - printed as an uncaught error would be
         import traceback
 
         traceback.print_exc()
-        code = 1
+        # an interpreter dies of the SIGINT it did not handle
+        code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     finally:
         try:
             threading._shutdown()  # the interpreter's end: non-daemon threads, atexit

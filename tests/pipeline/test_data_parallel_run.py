@@ -48,13 +48,13 @@ def train(
     )
     args = ["train", *(f"{k}={v}" for k, v in values.items())]
     args += ["--output-dir", str(tmp_path / name), "--resume", resume]
-    if cold:  # the interpreter afresh: torchrun's own command line
-        command = [sys.executable, "-m", "honing.cli", *args]
-        if ranks > 1:  # --standalone: a local rendezvous on a free port
-            launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-            command = [sys.executable, *launcher, "--standalone", *command[1:]]
-    else:
+    if not cold:
         command = warm.torchrun(ranks, *args) if ranks > 1 else warm.honing(*args)
+    elif ranks > 1:  # torchrun's own command line; --standalone: a rendezvous on a free port
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
+        command = [sys.executable, *launcher, "-m", "honing.cli", *args]
+    else:
+        command = [sys.executable, "-m", "honing.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()

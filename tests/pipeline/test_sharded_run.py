@@ -148,8 +148,7 @@ def test_ranks_launched_with_different_configs_fail_at_once(tmp_path, micro_mode
     """Each rank reads its own top_k from the environment torchrun gives it."""
     train = shlex.join(warm.honing("train", f"model.path={micro_model_dir}"))
     script = f"exec {train} rollout.top_k=$RANK --output-dir {tmp_path / 'run'}"
-    command = warm.command("torch.distributed.run", "--nproc_per_node", 2, "--standalone")
-    command += ["--no-python", "sh", "-c", script]
+    command = [*warm.launcher(2), "--no-python", "sh", "-c", script]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and time.monotonic() - started < 60
