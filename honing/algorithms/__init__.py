@@ -24,17 +24,15 @@ from honing.algorithms.core import (
     masked_var,
     masked_whiten,
 )
-from honing.algorithms.losses import (
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
+from honing.algorithms.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, aggregate_loss, kl_penalty
+from honing.algorithms.policy_losses import (
     POLICY_LOSSES,
-    aggregate_loss,
+    cispo,
     get_policy_loss,
-    kl_penalty,
+    gspo,
     ppo_clip,
     register_policy_loss,
 )
-from honing.algorithms.policy_losses import cispo, gspo
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -9,7 +9,6 @@ one host sync per step, not one per micro-batch.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -65,7 +64,9 @@ def mini_batches(size: int, settings: UpdateSettings, generator: torch.Generator
 
 
 def policy_loss_options(settings: UpdateSettings) -> dict:
-    """The loss's keyword options from the settings, limited to those it declares."""
+    """The loss's keyword options from the settings. Every loss takes the clip range and the
+    aggregation; the dual clip goes in only when it is on (``ppo_clip``'s alone, which the
+    config rules hold it to), so another loss given it fails instead of ignoring it."""
     options = {
         "clip_ratio_low": settings.clip_ratio_low,
         "clip_ratio_high": settings.clip_ratio_high,
@@ -73,8 +74,7 @@ def policy_loss_options(settings: UpdateSettings) -> dict:
     }
     if settings.clip_ratio_c:
         options["clip_ratio_c"] = settings.clip_ratio_c
-    accepted = inspect.signature(get_policy_loss(settings.policy_loss)).parameters
-    return {k: v for k, v in options.items() if k in accepted}
+    return options
 
 
 def micro_step(

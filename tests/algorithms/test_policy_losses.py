@@ -1,11 +1,167 @@
-"""GSPO, CISPO and the contract every registered policy loss keeps, against hand values."""
+"""PPO's clip, GSPO, CISPO and the contract every registered policy loss keeps, against
+hand-computed values."""
+
+import math
 
 import pytest
 import torch
 
 from honing.algorithms.core import masked_mean
-from honing.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, get_policy_loss
-from honing.algorithms.policy_losses import cispo, gspo
+from honing.algorithms.losses import LOSS_AGGREGATIONS
+from honing.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    cispo,
+    get_policy_loss,
+    gspo,
+    ppo_clip,
+    register_policy_loss,
+)
+
+# --- PPO clip --------------------------------------------------------------------------------
+
+# Four tokens with old_logprobs = 0, so ratio = exp(logprobs); clip range [0.8, 1.2]:
+#   A = +1, r = 1.5: max(-1.5, -1.2) = -1.2  clipped
+#   A = +1, r = 0.5: max(-0.5, -0.8) = -0.5
+#   A = -1, r = 1.5: max( 1.5,  1.2) =  1.5
+#   A = -1, r = 0.5: max( 0.5,  0.8) =  0.8  clipped, lower side
+# A fifth, masked token has a huge ratio and must not count.
+RATIOS = torch.tensor([[1.5, 0.5, 1.5, 0.5, 50.0]])
+ADVANTAGES = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
+RESPONSE_MASK = torch.tensor([[1, 1, 1, 1, 0]])
+OLD_LOGPROBS = torch.zeros(1, 5)
+
+
+def _ppo(**options):
+    logprobs = torch.log(RATIOS).requires_grad_()
+    loss, metrics = ppo_clip(logprobs, OLD_LOGPROBS, ADVANTAGES, RESPONSE_MASK, **options)
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+def test_ppo_clip_loss_and_metrics_by_hand():
+    loss, metrics, _ = _ppo()
+    # (-1.2 - 0.5 + 1.5 + 0.8) / 4 = 0.15
+    assert loss.detach() == pytest.approx(0.15)
+    assert metrics["actor/pg_loss"] == pytest.approx(0.15)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)  # tokens 1 and 4
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.25)  # token 4
+    # mean(old - new) = (-ln 1.5 - ln 0.5 - ln 1.5 - ln 0.5) / 4 = (-0.405465 + 0.693147) / 2
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.143841, abs=1e-6)
+
+
+def test_ppo_clip_gradient_is_zero_on_clipped_tokens():
+    # d(-A r)/d logprob = -A r, over 4 tokens: token 2 gives -0.5 / 4 = -0.125,
+    # token 3 gives 1.5 / 4 = 0.375; clipped tokens 1, 4 and the masked token 5 give 0.
+    _, _, grad = _ppo()
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.125, 0.375, 0.0, 0.0]]))
+
+
+def test_ppo_clip_asymmetric_range():
+    # clip_ratio_high = 0.6 -> upper bound 1.6 > 1.5, so token 1 is no longer clipped:
+    # (-1.5 - 0.5 + 1.5 + 0.8) / 4 = 0.075, clipfrac 1 / 4.
+    loss, metrics, _ = _ppo(clip_ratio_high=0.6)
+    assert loss.detach() == pytest.approx(0.075)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.25)
+
+
+def test_ppo_clip_passes_aggregation_and_counts_through():
+    # token_mean over 8 tokens of the mini-batch: 0.6 / 8 = 0.075.
+    loss, _, _ = _ppo(num_tokens=8)
+    assert loss.detach() == pytest.approx(0.075)
+    # seq_mean_token_sum over one sequence: 0.6 / 1.
+    loss, _, _ = _ppo(loss_agg="seq_mean_token_sum")
+    assert loss.detach() == pytest.approx(0.6)
+
+
+# Dual-clip with clip_ratio_c = 3 (old_logprobs = 0, clip range [0.8, 1.2], six valid tokens):
+#   A = -1, r = 5:   max(5, 1.2) = 5,  min(5, 3) = 3      dual clip active
+#   A = -1, r = 4:   max(4, 1.2) = 4,  min(4, 3) = 3      dual clip active
+#   A = -1, r = 2:   max(2, 1.2) = 2,  min(2, 3) = 2
+#   A = -1, r = 0.5: max(0.5, 0.8) = 0.8                   clipped (lower side), not dual
+#   A = +1, r = 5:   max(-5, -1.2) = -1.2                  clipped; A > 0 has no dual clip
+#   A = +1, r = 0.5: max(-0.5, -0.8) = -0.5
+# A seventh, masked token (A = -1, r = 50) must not count.
+DUAL_RATIOS = torch.tensor([[5.0, 4.0, 2.0, 0.5, 5.0, 0.5, 50.0]])
+DUAL_ADVANTAGES = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0]])
+DUAL_MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+
+
+def _dual(**options):
+    logprobs = torch.log(DUAL_RATIOS).requires_grad_()
+    loss, metrics = ppo_clip(logprobs, torch.zeros(1, 7), DUAL_ADVANTAGES, DUAL_MASK, **options)
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+def test_dual_clip_loss_metrics_and_gradient_by_hand():
+    loss, metrics, grad = _dual(clip_ratio_c=3.0)
+    # (3 + 3 + 2 + 0.8 - 1.2 - 0.5) / 6 = 7.1 / 6 = 1.183333
+    assert loss.detach() == pytest.approx(7.1 / 6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 6)  # r = 0.5 (A < 0), r = 5 (A > 0)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(2 / 6)  # dual clip: r = 5, 4
+    # The dual-clipped loss -A * c is constant: no gradient there. Unclipped tokens give
+    # -A * r / 6: r = 2 -> 2 / 6 = 0.333333; A = +1, r = 0.5 -> -0.5 / 6 = -0.083333.
+    expected = torch.tensor([[0.0, 0.0, 2 / 6, 0.0, 0.0, -0.5 / 6, 0.0]])
+    torch.testing.assert_close(grad, expected)
+
+
+def test_without_dual_clip_large_ratios_keep_their_loss_and_gradient():
+    # Control: (5 + 4 + 2 + 0.8 - 1.2 - 0.5) / 6 = 10.1 / 6; clipfrac_lower keeps its meaning,
+    # r < 0.8 with A < 0: one token. Gradients 5 / 6 and 4 / 6 on the first two tokens.
+    loss, metrics, grad = _dual()
+    assert loss.detach() == pytest.approx(10.1 / 6)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 6)
+    expected = torch.tensor([[5 / 6, 4 / 6, 2 / 6, 0.0, 0.0, -0.5 / 6, 0.0]])
+    torch.testing.assert_close(grad, expected)
+
+
+def test_dual_clip_bound_above_the_ratios_changes_nothing():
+    # c = 10 exceeds every valid ratio, so min(L, 10) = L: same loss as without dual-clip,
+    # and no token counts as dual-clipped.
+    loss, metrics, _ = _dual(clip_ratio_c=10.0)
+    assert loss.detach() == pytest.approx(10.1 / 6)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_dual_clip_rejects_a_bound_not_above_one():
+    with pytest.raises(ValueError, match="clip_ratio_c must be greater than 1"):
+        _dual(clip_ratio_c=1.0)
+
+
+def test_ppo_clip_passes_loss_scale_len_through():
+    # seq_mean_token_sum_norm: 0.6 summed / (1 seq * 4) = 0.15; with loss_scale_len 10: 0.06.
+    loss, _, _ = _ppo(loss_agg="seq_mean_token_sum_norm", loss_scale_len=4)
+    assert loss.detach() == pytest.approx(0.15)
+    loss, _, _ = _ppo(loss_agg="seq_mean_token_sum_norm", loss_scale_len=10)
+    assert loss.detach() == pytest.approx(0.06)
+
+
+def test_ppo_clip_clamps_log_ratio_before_exp():
+    # exp(100) overflows float32 to inf; clamped at 20, the loss is exp(20) = 4.85e8.
+    loss, _ = ppo_clip(
+        torch.tensor([[100.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1)
+    )
+    assert torch.isfinite(loss)
+    assert loss == pytest.approx(math.exp(20.0), rel=1e-5)
+
+
+def test_ppo_clip_rejects_unknown_options():
+    with pytest.raises(TypeError):
+        ppo_clip(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_c=3.0
+        )
+
+
+def test_policy_loss_registry():
+    assert get_policy_loss("ppo_clip") is ppo_clip
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'reinforce'; choose one of: cispo, gspo, ppo_clip"
+    ):
+        get_policy_loss("reinforce")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("ppo_clip")(ppo_clip)
+    assert POLICY_LOSSES["ppo_clip"] is ppo_clip
+
 
 # --- GSPO ------------------------------------------------------------------------------------
 
