@@ -8,9 +8,11 @@ step belong to the bad stretch and are set aside under ``checkpoints/abandoned-<
 (kept, but out of reach of ``--resume auto``). With no such checkpoint, or after
 ``monitor.max_rollbacks`` rollbacks, the rollback becomes a stop.
 
-Limits: the rollback's changes (``lr_scale``, ``temperature``, ``kl_coef``) live in the
-process and in ``events.jsonl``; a crash and ``--resume auto`` after a rollback continue with
-the config's values.
+A rollback's changes accumulate over the run's rollbacks, whichever checkpoint each returns
+to: ``lr_scale`` multiplies the scale of the ones before (two halvings give a quarter), and
+``temperature`` and ``kl_coef`` replace the values in force. Checkpoints keep them (the scale
+with the policy's schedule, the others in ``state.json``), so ``--resume auto`` after a
+rollback goes on as the run would have.
 """
 
 from __future__ import annotations

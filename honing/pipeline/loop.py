@@ -63,8 +63,8 @@ class TrainLoop:
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
-        self.lr_scale = 1.0  # rollbacks' accumulated learning-rate change
         self.producer: RolloutProducer | None = None  # one_step / async: rollouts made ahead
+        self.adjusted: dict[str, float] = {}  # alert rollbacks' temperature and kl_coef
         self.offload = Offloader(config.memory, config.schedule.mode, parts, logger.log_event)
 
     def run(self, start_step: int) -> None:
@@ -137,6 +137,7 @@ class TrainLoop:
             required,
             source_state=source,
             peers=self.peers,
+            adjusted=self.adjusted,
         )
 
     def _act(self, decision: Decision, step: int, alerting: Alerting) -> int:
@@ -180,28 +181,34 @@ class TrainLoop:
         return target
 
     def _rollback_to(self, checkpoint: Path, changes: dict[str, float]) -> int:
-        """Reload ``checkpoint`` and apply the rollback's changes on top (the learning-rate
-        scale accumulates over rollbacks); returns the checkpoint's step."""
+        """Reload ``checkpoint`` and apply the rollback's changes on top; returns the
+        checkpoint's step. The learning-rate scale accumulates over the run's rollbacks,
+        whichever checkpoint each returns to (a second rollback to the same checkpoint
+        halves again what did not help the first time)."""
         parts = self.parts
+        policy = parts.trainers.policy
+        scale = policy.lr_scale * changes.get("lr_scale", 1.0)
         step = load_training_state(parts, checkpoint, self.peers)
         self.peers.weights_changed()
-        self.lr_scale *= changes.get("lr_scale", 1.0)
-        policy = parts.trainers.policy
-        scheduler = policy.scheduler
-        scheduler.base_lrs = [lr * self.lr_scale for lr in scheduler.base_lrs]
-        scheduler._last_lr = [lr * self.lr_scale for lr in scheduler.get_last_lr()]
-        for group, lr in zip(policy.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
-        sampling, update = parts.train_sampling, parts.update
-        if "temperature" in changes:
-            sampling = replace(sampling, temperature=changes["temperature"])
-            update = replace(update, temperature=changes["temperature"])
-        if "kl_coef" in changes:
+        policy.scale_lr(scale)
+        if "kl_coef" in changes:  # the reward penalty's (saved with the checkpoint's state)
             parts.kl_controller.value = changes["kl_coef"]
-            if not self.config.algorithm.kl_in_reward:
-                update = replace(update, kl_coef=changes["kl_coef"])
-        self.parts = replace(parts, train_sampling=sampling, update=update)
+        self.adjust({k: v for k, v in changes.items() if k != "lr_scale"})
         return step
+
+    def adjust(self, settings: dict[str, float]) -> None:
+        """Samples and trains with an alert rollback's ``temperature`` and ``kl_coef`` (the
+        KL loss term's) from now on; checkpoints record them, and a resumed run calls this
+        with what its checkpoint recorded."""
+        parts = self.parts
+        sampling, update = parts.train_sampling, parts.update
+        if "temperature" in settings:
+            sampling = replace(sampling, temperature=settings["temperature"])
+            update = replace(update, temperature=settings["temperature"])
+        if "kl_coef" in settings and not self.config.algorithm.kl_in_reward:
+            update = replace(update, kl_coef=settings["kl_coef"])
+        self.adjusted |= settings
+        self.parts = replace(parts, train_sampling=sampling, update=update)
 
     def _validate(self, step: int) -> dict[str, float]:
         parts = self.parts
@@ -258,7 +265,7 @@ class TrainLoop:
         metrics["samples/filtered"] += metrics.get("samples/filtered_truncated", 0)
         self._check_accounting(step, metrics)
         if parts.trainers.critic is None or step > cfg.trainer.critic_warmup_steps:
-            parts.trainers.policy.scheduler.step()  # the policy's schedule starts with it
+            parts.trainers.policy.advance_schedule()  # the policy's schedule starts with it
         t_sync = time.perf_counter()
         if self.producer is None:
             with self.peers.together("sync", step):
@@ -337,14 +344,14 @@ class TrainLoop:
             seed=step_seed(self.config.trainer.seed, step),
             act=act,
             value_clip=self.config.algorithm.value_clip,
-            lr=tuple(group["lr"] for group in trainers.policy.optimizer.param_groups),
+            lr=trainers.policy.learning_rates(),
         )
         with self.peers.together("update", inputs):  # the other ranks run theirs alongside
             metrics = exp.metrics | apply_update(trainers, inputs)
         metrics["timing_s/update"] = time.perf_counter() - t_update
         if not act:
             return metrics | reloaded
-        metrics["actor/lr"] = trainers.policy.scheduler.get_last_lr()[0]
+        metrics["actor/lr"] = trainers.policy.learning_rates()[0]
         if trainers.mtp is not None:  # the draft heads learn the updated policy's hidden states
             generator = torch.Generator().manual_seed(inputs.seed)
             metrics |= train_mtp(trainers.mtp, parts.policy, exp.batch, generator)

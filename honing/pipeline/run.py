@@ -27,7 +27,7 @@ from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.loop import TrainLoop
 from honing.pipeline.peers import Peers
-from honing.pipeline.state import CONFIG_FILE, load_training_state
+from honing.pipeline.state import CONFIG_FILE, adjustments, load_training_state
 
 
 def default_output_dir(config_path: str | None) -> Path:
@@ -235,7 +235,10 @@ def run_training(
                 f"{config.trainer.total_steps}; raise it to train further"
             )
         try:
-            TrainLoop(config, parts, logger, checkpoints, peers=peers).run(start)
+            loop = TrainLoop(config, parts, logger, checkpoints, peers=peers)
+            if checkpoint is not None:  # an alert rollback's settings, as the run had them
+                loop.adjust(adjustments(checkpoint))
+            loop.run(start)
         finally:  # trackers that keep files (W&B, MLflow) get the report, of a stopped run too
             logger.log_report(write_report)
     result = summary(run_dir)

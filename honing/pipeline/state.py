@@ -65,6 +65,7 @@ def save_training_state(
     required: bool | None = None,
     source_state: dict | None = None,
     peers: Peers | None = None,
+    adjusted: dict[str, float] | None = None,
 ) -> Path | None:
     """Saves the whole training state as the checkpoint of ``step``.
 
@@ -73,6 +74,9 @@ def save_training_state(
         source_state: The data cursor to record, when prompts were drawn ahead of ``step``
             (asynchronous schedules); default: the source's own.
         peers: the run's other processes (they write their shards of a sharded layout).
+        adjusted: the alert rollbacks' sampling and loss settings in force (``temperature``,
+            ``kl_coef``), which a resume keeps (``adjustments``); the learning-rate scale is
+            kept with the policy's schedule.
 
     Returns:
         The checkpoint directory, or ``None`` when a save that was not required failed
@@ -101,6 +105,7 @@ def save_training_state(
                 "seed": config.trainer.seed,
                 "data": source_state if source_state is not None else parts.source.state_dict(),
                 "kl_coef": parts.kl_controller.value,  # moves under the adaptive controller
+                "adjusted": adjusted or {},
             }
             (directory / STATE_JSON).write_text(json.dumps(info, indent=1))
             (directory / CONFIG_FILE).write_text(dump_yaml(config))
@@ -201,6 +206,11 @@ def load_training_state(parts: Components, checkpoint: Path, peers: Peers | None
     with peers.together("sync", step):
         send_weights(parts, step)
     return step
+
+
+def adjustments(checkpoint: Path) -> dict[str, float]:
+    """The alert rollbacks' settings in force when ``checkpoint`` was saved (``adjusted``)."""
+    return json.loads((checkpoint / STATE_JSON).read_text()).get("adjusted", {})
 
 
 def load_engines(parts: Components, checkpoint: Path, state: dict) -> None:

@@ -42,8 +42,7 @@ class UpdateInputs:
 
 def apply_update(trainers: Trainers, inputs: UpdateInputs) -> dict[str, float]:
     """The critic's fit, then (if ``inputs.act``) the policy's update; their metrics."""
-    for group, lr in zip(trainers.policy.optimizer.param_groups, inputs.lr, strict=True):
-        group["lr"] = lr
+    trainers.policy.set_learning_rates(inputs.lr)
     metrics: dict[str, float] = {}
     if trainers.critic is not None:
         metrics |= update_critic(

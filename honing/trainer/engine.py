@@ -12,7 +12,9 @@ on that layout and nothing else:
   tensor) pieces of bounded size, never one whole copy;
 - ``state()`` / ``load_state(state)``: what a checkpoint holds of it and putting it back;
 - ``offload(device)``: its idle state (optimizer, gradients, and weights generation does not
-  use) moved while it is idle.
+  use) moved while it is idle;
+- ``learning_rates()`` / ``set_learning_rates(rates)`` / ``advance_schedule()`` /
+  ``scale_lr(scale)``: the one place its learning rates are read and written.
 
 ``TrainedModule`` implements it for two layouts: ``OneProcess`` and ``Replicated`` (torchrun
 data parallelism: every rank holds the whole module and takes the same optimizer step on
@@ -59,6 +61,17 @@ class TrainerEngine(Protocol):
     def load_state(self, state: dict[str, Any]) -> None: ...
 
     def offload(self, device: torch.device) -> int: ...
+
+    def learning_rates(self) -> tuple[float, ...]: ...
+
+    def set_learning_rates(self, rates: tuple[float, ...]) -> None: ...
+
+    def advance_schedule(self) -> None: ...
+
+    @property
+    def lr_scale(self) -> float: ...
+
+    def scale_lr(self, scale: float) -> None: ...
 
 
 def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch.Tensor, bool]:
@@ -283,9 +296,38 @@ class TrainedModule:
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
             # LambdaLR does not restore the optimizer's own lr: its last scheduled value.
-            last = self.scheduler.get_last_lr()
-            for group, lr in zip(self.optimizer.param_groups, last, strict=True):
-                group["lr"] = lr
+            self.set_learning_rates(tuple(self.scheduler.get_last_lr()))
+
+    def learning_rates(self) -> tuple[float, ...]:
+        """The learning rate of each parameter group, as the next optimizer step uses it."""
+        return tuple(group["lr"] for group in self.optimizer.param_groups)
+
+    def set_learning_rates(self, rates: tuple[float, ...]) -> None:
+        """Sets each parameter group's learning rate (a torchrun rank takes rank 0's)."""
+        for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+
+    def advance_schedule(self) -> None:
+        """The learning-rate schedule's next step (none without a schedule)."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on its schedule's rates (1 until ``scale_lr``)."""
+        return getattr(self.scheduler, "scale", 1.0)
+
+    def scale_lr(self, scale: float) -> None:
+        """From now on its learning rates are the schedule's times ``scale`` (an alert
+        rollback's ``lr_scale``, accumulated by the caller); checkpoints keep it with the
+        schedule.
+
+        Raises:
+            ValueError: the module has no scaled schedule (``optim.ScaledSchedule``).
+        """
+        if not hasattr(self.scheduler, "rescale"):
+            raise ValueError(f"the {self.role}'s learning rate has no schedule to scale")
+        self.scheduler.rescale(scale)
 
     def offload(self, device: torch.device) -> int:
         """Its idle state to ``device``: the optimizer's, and the module's own weights unless

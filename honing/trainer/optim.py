@@ -45,7 +45,7 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(
         params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fusable(params)
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    scheduler = ScaledSchedule(
         optimizer,
         lambda step: lr_factor(
             step,
@@ -56,6 +56,30 @@ def build_optimizer(
         ),
     )
     return optimizer, scheduler
+
+
+class ScaledSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A ``LambdaLR`` whose rates are multiplied by ``scale`` (an alert rollback's
+    ``lr_scale``). The scale is part of the schedule's state, so a checkpoint keeps it and a
+    resumed run goes on with it."""
+
+    def __init__(self, optimizer, lr_lambda) -> None:
+        self.scale = 1.0
+        super().__init__(optimizer, lr_lambda)
+
+    def get_lr(self) -> list[float]:
+        return [
+            base * lr_lambda(self.last_epoch) * self.scale
+            for base, lr_lambda in zip(self.base_lrs, self.lr_lambdas, strict=True)
+        ]
+
+    def rescale(self, scale: float) -> None:
+        """From now on the rates are the schedule's times ``scale`` (not times the old scale
+        and ``scale``), starting with the current step's."""
+        self.scale = scale
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
 
 
 def fusable(params: list[torch.Tensor]) -> bool:

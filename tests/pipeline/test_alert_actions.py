@@ -11,6 +11,7 @@ import pytest
 from honing.backends.launch import train
 from honing.cli import main
 from honing.errors import RunStopped
+from honing.pipeline.loop import TrainLoop
 from tests.pipeline._configs import small_run_config
 
 # warmup 10 steps to lr 1e-3: actor/lr is 1e-4 * step, so "actor/lr > 2.5e-4" fires at step 3
@@ -118,3 +119,51 @@ def test_rollbacks_are_bounded(micro_model_dir, digit_reward, tmp_path):
         "stopped",
     ]
     assert "max_rollbacks=2" in events[-2]["reason"]
+
+
+def test_two_rollbacks_halve_the_learning_rate_twice_and_a_resume_keeps_it(
+    micro_model_dir, digit_reward, tmp_path, monkeypatch
+):
+    # warmup 3 steps to 1e-4: lr rises at step 2 (rollback to 1, lr x 0.5), then, the history
+    # cleared, at step 3 (rollback to 2, whose checkpoint already carries the first halving)
+    rule = "actor/lr rises 1 -> rollback(lr_scale=0.5, temperature=0.8)"
+    overrides = {
+        "trainer.lr": 1e-4,
+        "trainer.warmup_steps": 3,
+        "trainer.total_steps": 6,
+        "checkpoint.every": 1,
+        "checkpoint.keep": 10,
+        "monitor.max_rollbacks": 2,
+        "monitor.alerts": [rule],
+    }
+    run = tmp_path / "run"
+    config = small_run_config(micro_model_dir, digit_reward, **overrides)
+    train(config, run, resume="never", log=lambda message: None)
+    events = _lines(run / "events.jsonl")
+    rollbacks = [(e["step"], e["to_step"]) for e in events if e["kind"] == "rollback"]
+    assert rollbacks == [(2, 1), (3, 2)]
+    lrs = {m["step"]: m["actor/lr"] for m in _lines(run / "metrics.jsonl") if m["step"]}
+    quarter = 0.25 * 1e-4  # two halvings
+    assert lrs[1] == pytest.approx(1e-4 / 3, rel=1e-12)
+    assert lrs[2] == pytest.approx(0.5 * 2e-4 / 3, rel=1e-12)  # redone after the first
+    for step in (3, 4, 5, 6):
+        assert lrs[step] == pytest.approx(quarter, rel=1e-12)
+
+    saved = json.loads((run / "checkpoints" / "step_6" / "state.json").read_text())
+    assert saved["adjusted"] == {"temperature": 0.8}
+
+    # A resume continues with the rollbacks' learning rate and temperature, as the run would
+    # have gone on.
+    temperatures = []
+    run_loop = TrainLoop.run
+
+    def watched(loop, start):
+        temperatures.append((loop.parts.train_sampling.temperature, loop.parts.update.temperature))
+        return run_loop(loop, start)
+
+    monkeypatch.setattr(TrainLoop, "run", watched)
+    more = small_run_config(micro_model_dir, digit_reward, **overrides | {"trainer.total_steps": 7})
+    train(more, run, resume="auto", log=lambda message: None)
+    lrs = {m["step"]: m["actor/lr"] for m in _lines(run / "metrics.jsonl") if m["step"]}
+    assert lrs[7] == pytest.approx(quarter, rel=1e-12)
+    assert temperatures == [(0.8, 0.8)]
