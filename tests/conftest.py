@@ -13,6 +13,10 @@ from honing.models.loading import load_tokenizer, save_model
 from honing.models.tiny import TinySpec, build_tiny_model
 from tests.models.moe_models import moe_model
 
+# Every metric a test run logs must be in honing/monitor/names.py, which alert rules are
+# checked against (the logger refuses an unknown name under this variable).
+os.environ["HONING_CHECK_METRIC_NAMES"] = "1"
+
 MICRO_SPEC = TinySpec(
     hidden_size=32,
     num_layers=2,

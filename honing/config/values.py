@@ -42,6 +42,16 @@ def _field(key: str) -> dataclasses.Field:
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
 
 
+def check_value(key: str, value: Any) -> Any:
+    """``value`` as config key ``key`` takes it (its type, choices and range), for values
+    that stand for a key elsewhere (an alert rollback's ``temperature``).
+
+    Raises:
+        ConfigError: naming the key and what it allows.
+    """
+    return _coerce(key, _field(key), value)
+
+
 def _coerce(key: str, f: dataclasses.Field, value: Any) -> Any:
     """Convert a YAML/env/CLI value to the field's type and check its choices and range."""
     kind = _TYPES[f.type]

@@ -39,10 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from honing.config.values import check_value
 from honing.errors import ConfigError
+from honing.monitor.names import closest_metric, known_metric
 
 ACTIONS = ("log", "webhook", "stop", "rollback")
 ROLLBACK_ARGS = ("lr_scale", "temperature", "kl_coef")
+ROLLBACK_KEYS = {"temperature": "rollout.temperature", "kl_coef": "algorithm.kl_coef"}
 STOP_EXIT_STATUS = 3
 
 _COMPARE = {">": operator.gt, "<": operator.lt, ">=": operator.ge, "<=": operator.le}
@@ -114,11 +117,13 @@ def parse_rule(text: str) -> Rule:
         return Rule(kind="stall", stall_s=seconds, **common)
     if match := _THRESHOLD_RE.match(condition):
         metric, op, value = match.groups()
+        _check_metric(text, metric)
         return Rule(
             kind="threshold", metric=metric, op=op, threshold=float(value), count=count, **common
         )
     if match := _TREND_RE.match(condition):
         metric, direction, steps = match.groups()
+        _check_metric(text, metric)
         if int(steps) < 1:
             raise ConfigError(f"monitor.alerts: {text!r}: falls/rises needs N >= 1")
         return Rule(kind=direction, metric=metric, count=int(steps), **common)
@@ -146,19 +151,51 @@ def _parse_actions(text: str, actions_text: str) -> tuple[tuple[str, ...], dict[
         if args is not None and name != "rollback":
             raise ConfigError(f"monitor.alerts: {name} takes no arguments in {text!r}")
         for arg in filter(None, (a.strip() for a in (args or "").split(","))):
-            key, _, value = arg.partition("=")
-            key = key.strip()
-            try:
-                rollback[key] = float(value)
-            except ValueError:
-                rollback[key] = math.nan
-            if key not in ROLLBACK_ARGS or not math.isfinite(rollback[key]) or rollback[key] < 0:
-                raise ConfigError(
-                    f"monitor.alerts: rollback argument {arg!r} in {text!r}; expected "
-                    f"{'/'.join(ROLLBACK_ARGS)}=<non-negative number>"
-                )
+            key, value = _rollback_arg(text, arg)
+            rollback[key] = value
         actions.append(name)
     return tuple(dict.fromkeys(actions)), rollback
+
+
+def _rollback_arg(text: str, arg: str) -> tuple[str, float]:
+    """One ``key=value`` of ``rollback(...)``, checked as the setting it changes: the
+    temperature and KL coefficient as their config keys, the learning-rate scale in (0, 1]
+    (a rollback slows the run down; 0 would stop it learning)."""
+    key, _, value = (part.strip() for part in arg.partition("="))
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if key not in ROLLBACK_ARGS or not math.isfinite(number):
+        raise ConfigError(
+            f"monitor.alerts: rollback argument {arg!r} in {text!r}; expected "
+            f"{'/'.join(ROLLBACK_ARGS)}=<number>"
+        )
+    if key == "lr_scale" and not 0 < number <= 1:
+        raise ConfigError(
+            f"monitor.alerts: rollback argument {arg!r} in {text!r}; lr_scale multiplies the "
+            "learning rate: expected 0 < lr_scale <= 1"
+        )
+    if key in ROLLBACK_KEYS:
+        try:
+            check_value(ROLLBACK_KEYS[key], number)
+        except ConfigError as err:
+            raise ConfigError(
+                f"monitor.alerts: rollback argument {arg!r} in {text!r}: {err}"
+            ) from None
+    return key, number
+
+
+def _check_metric(text: str, metric: str) -> None:
+    """A rule's metric is one a run logs (a typo would never fire)."""
+    if known_metric(metric):
+        return
+    near = closest_metric(metric)
+    hint = f"did you mean {near}? " if near else ""
+    raise ConfigError(
+        f"monitor.alerts: {text!r} watches {metric!r}, which no run logs; {hint}"
+        "(the metric names: docs/monitoring.md)"
+    )
 
 
 class AlertEngine:

@@ -15,6 +15,7 @@ run is about to redo, so no step appears twice.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from types import TracebackType
 from typing import Any, Self, TextIO
 
 from honing.monitor.console import ConsoleSink
+from honing.monitor.names import known_metric
 from honing.monitor.registry import TENSORBOARD_DIR, SinkContext, build_sinks
 from honing.monitor.sinks import JsonlSink, MetricSink, TensorBoardSink
 
@@ -147,7 +149,13 @@ class RunLogger:
             raise
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Writes one step's metrics to every sink."""
+        """Writes one step's metrics to every sink. Under ``HONING_CHECK_METRIC_NAMES=1``
+        (the tests) a name that ``monitor.names`` does not know is an error: alert rules are
+        checked against that list."""
+        if os.environ.get("HONING_CHECK_METRIC_NAMES") == "1":
+            unknown = sorted(name for name in metrics if not known_metric(name))
+            if unknown:
+                raise ValueError(f"metrics missing from honing/monitor/names.py: {unknown}")
         for sink in self.sinks:
             sink.write(step, metrics)
 

@@ -44,8 +44,20 @@ def test_parse_forms_and_actions():
         ("actor/entropy < 0.05 -> explode", "unknown action 'explode'"),
         ("actor/entropy about 3 -> log", "cannot read the condition"),
         ("no step for 5 s -> rollback", "a stall can only log or webhook"),
-        ("x > 1 -> rollback(lr=2)", "rollback argument 'lr=2'"),
-        ("x > 1 -> stop(now)", "stop takes no arguments"),
+        ("actor/lr > 1 -> rollback(lr=2)", "rollback argument 'lr=2'"),
+        ("actor/lr > 1 -> stop(now)", "stop takes no arguments"),
+        # each rollback setting within what its config key allows
+        ("actor/lr > 1 -> rollback(temperature=0)", r"rollout.temperature: 0.0 .* must be > 0"),
+        ("actor/lr > 1 -> rollback(kl_coef=-1)", r"algorithm.kl_coef: -1.0 .* must be >= 0"),
+        ("actor/lr > 1 -> rollback(lr_scale=0)", r"expected 0 < lr_scale <= 1"),
+        ("actor/lr > 1 -> rollback(lr_scale=1e300)", r"expected 0 < lr_scale <= 1"),
+        ("actor/lr > 1 -> rollback(lr_scale=nan)", r"lr_scale=nan"),
+        # a metric no run logs would never fire
+        (
+            "actor/ppo_kll > 1 -> stop",
+            r"'actor/ppo_kll', which no run logs; did you mean actor/ppo_kl\?",
+        ),
+        ("reward/mean falls 3 -> log", r"'reward/mean', which no run logs"),
     ],
 )
 def test_bad_rules_say_what_is_wrong(text, message):
@@ -54,9 +66,10 @@ def test_bad_rules_say_what_is_wrong(text, message):
 
 
 def test_threshold_for_n_steps_needs_a_streak_and_re_arms():
-    stream = [(s, {"x": v}) for s, v in enumerate([5, 1, 1, 5, 1, 1, 1, 1], start=1)]
+    values = [5, 1, 1, 5, 1, 1, 1, 1]
+    stream = [(s, {"actor/grad_norm": v}) for s, v in enumerate(values, start=1)]
     # below 2 on steps 2-3 (fires at 3, good step 1), then 5-6 (fires at 6), then 7-8 again
-    assert _run("x < 2 for 2 steps -> log", stream) == [(3, 1), (6, 4), (8, 6)]
+    assert _run("actor/grad_norm < 2 for 2 steps -> log", stream) == [(3, 1), (6, 4), (8, 6)]
 
 
 def test_missing_metric_neither_counts_nor_breaks_a_streak():
@@ -66,14 +79,14 @@ def test_missing_metric_neither_counts_nor_breaks_a_streak():
 
 def test_falls_counts_consecutive_decreases_from_the_peak():
     values = [0.5, 0.6, 0.55, 0.5, 0.45, 0.46, 0.4]
-    stream = [(s, {"r": v}) for s, v in enumerate(values, start=1)]
+    stream = [(s, {"critic/score/mean": v}) for s, v in enumerate(values, start=1)]
     # peak 0.6 at step 2, three falls to step 5: fires at 5 with good step 2 (the peak)
-    assert _run("r falls 3 -> rollback", stream) == [(5, 2)]
+    assert _run("critic/score/mean falls 3 -> rollback", stream) == [(5, 2)]
 
 
 def test_equal_values_break_a_trend():
-    stream = [(s, {"r": v}) for s, v in enumerate([3, 2, 2, 1], start=1)]
-    assert _run("r falls 2 -> log", stream) == []
+    stream = [(s, {"critic/score/mean": v}) for s, v in enumerate([3, 2, 2, 1], start=1)]
+    assert _run("critic/score/mean falls 2 -> log", stream) == []
 
 
 def test_nonfinite_fires_on_any_nan_metric_and_names_it():

@@ -246,7 +246,7 @@ def test_run_logger_writes_every_file(tmp_path):
 def test_run_logger_without_tensorboard_or_console(tmp_path):
     stream = io.StringIO()
     with RunLogger(tmp_path, total_steps=3, tensorboard=False, console=False, stream=stream) as log:
-        log.log_metrics(1, {"loss": 1.0})
+        log.log_metrics(1, {"actor/pg_loss": 1.0})
     assert not (tmp_path / "tensorboard").exists()
     assert stream.getvalue() == ""
 
@@ -254,23 +254,23 @@ def test_run_logger_without_tensorboard_or_console(tmp_path):
 def test_run_logger_resume_appends_and_truncates(tmp_path):
     with RunLogger(tmp_path, total_steps=5, console=False) as logger:
         for step in (1, 2, 3):
-            logger.log_metrics(step, {"loss": float(step)})
+            logger.log_metrics(step, {"actor/pg_loss": float(step)})
             logger.log_samples(step, [{"text": f"s{step}"}])
         logger.log_event("alert", rule="loss_spike")
 
     with RunLogger(tmp_path, total_steps=5, console=False) as logger:
         dropped = logger.truncate_after(1)
         logger.log_event("restart", from_step=1)
-        logger.log_metrics(2, {"loss": 20.0})
+        logger.log_metrics(2, {"actor/pg_loss": 20.0})
         logger.log_samples(2, [{"text": "again"}])
 
     assert dropped == {"metrics.jsonl": 2, "samples.jsonl": 2}
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [(m["step"], m["loss"]) for m in metrics] == [(1, 1.0), (2, 20.0)]
+    assert [(m["step"], m["actor/pg_loss"]) for m in metrics] == [(1, 1.0), (2, 20.0)]
     samples = read_jsonl(tmp_path / "samples.jsonl")
     assert [(s["step"], s["text"]) for s in samples] == [(1, "s1"), (2, "again")]
     assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["alert", "restart"]
-    assert tensorboard_scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 20.0)]
+    assert tensorboard_scalars(tmp_path / "tensorboard")["actor/pg_loss"] == [(1, 1.0), (2, 20.0)]
 
 
 def test_run_logger_fans_out_to_extra_sinks(tmp_path):
@@ -288,8 +288,8 @@ def test_run_logger_fans_out_to_extra_sinks(tmp_path):
     with RunLogger(
         tmp_path, total_steps=2, tensorboard=False, console=False, sinks=[recorder]
     ) as log:
-        log.log_metrics(1, {"loss": 1.0})
-    assert recorder.writes == [(1, {"loss": 1.0})]
+        log.log_metrics(1, {"actor/pg_loss": 1.0})
+    assert recorder.writes == [(1, {"actor/pg_loss": 1.0})]
     assert recorder.closed
 
 

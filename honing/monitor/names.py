@@ -1,0 +1,155 @@
+"""The names of the metrics a run logs, so that an alert rule on a name no run logs (a typo:
+``actor/ppo_kll``) is refused when the config is read instead of never firing.
+
+``KNOWN`` and ``PATTERNS`` list every name ``metrics.jsonl`` can hold (docs/monitoring.md).
+Under ``HONING_CHECK_METRIC_NAMES=1`` (the test suite sets it) the logger refuses a name
+they do not match, so a metric added without its entry here fails the tests that log it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+KNOWN = frozenset(
+    {
+        # the policy's update
+        *(
+            f"actor/{name}"
+            for name in (
+                "pg_loss",
+                "pg_clipfrac",
+                "pg_clipfrac_lower",
+                "ppo_kl",
+                "entropy",
+                "kl_loss",
+                "kl_coef",
+                "grad_norm",
+                "lr",
+                "skipped_updates",
+            )
+        ),
+        # scores, advantages and the critic (gae)
+        *(f"critic/score/{s}" for s in ("mean", "std", "max", "min")),
+        "critic/advantages/mean",
+        "critic/advantages/var",
+        "critic/kl",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vf_explained_var",
+        "critic/values/mean",
+        "critic/returns/mean",
+        *(f"response_length/{s}" for s in ("mean", "max", "min", "clip_ratio")),
+        *(
+            f"samples/{name}"
+            for name in (
+                "generated",
+                "trained",
+                "filtered",
+                "failed",
+                "stale",
+                "score_errors",
+                "gen_rounds",
+                "regenerated",
+            )
+        ),
+        *(
+            f"reward/{name}"
+            for name in (
+                "latency_p50_ms",
+                "latency_p99_ms",
+                "requests",
+                "errors",
+                "retries",
+                "cache_hits",
+                "ejections",
+                "failed_items",
+            )
+        ),
+        *(
+            f"timing_s/{part}"
+            for part in (
+                "gen",
+                "reward",
+                "ref",
+                "old",
+                "prepare",
+                "update",
+                "sync",
+                "step",
+                "val",
+                "mtp",
+                "offload",
+                "reload",
+                "engine_idle",
+                "trainer_idle",
+            )
+        ),
+        "perf/throughput",
+        "perf/gen_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "perf/sync_mb",
+        "system/cpu_percent",
+        "system/rss_mb",
+        "system/gpu_mem_mb",
+        "dist/world_size",
+        "dist/strategy",
+        "memory/model_state_mb",
+        "memory/offloaded_gb",
+        "async/weight_version",
+        "async/staleness",
+        "async/queue_depth",
+        "rollout/gen_timeouts",
+        "rollout/generation_ranks",
+        *(
+            f"rollout/spec_{name}"
+            for name in (
+                "enabled",
+                "accept_rate",
+                "accepted_len",
+                "drafts",
+                "draft_tokens",
+                "accepted_tokens",
+            )
+        ),
+        "rollout_mismatch/prob_diff_mean",
+        "rollout_mismatch/prob_diff_max",
+        "rollout_mismatch/kl",
+        "mtp/loss",
+        "mtp/accuracy",
+        "moe/load_violation/max",
+        "moe/load_violation/mean",
+        "moe/router_entropy",
+        "moe/rollout_router_match",
+        "moe/aux_loss",
+        "moe/z_loss",
+        *(f"checkpoint/mirror_{name}" for name in ("upload_s", "upload_mb", "pending", "failures")),
+        "val/accuracy",
+        "val/score_errors",
+        "val/score_retried",
+        "val/generation_ranks",
+    }
+)
+
+PATTERNS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"(critic/score|response_length)/p\d+",  # percentiles
+        r"samples/filtered_\w+",  # by reason
+        r"val/(pass|mean)@\d+",
+        r"moe/layer\d+/(load_violation|router_entropy)",
+        r"memory/peak_\w+_gb",
+        r"ray/\w+_workers",
+    )
+)
+
+
+def known_metric(name: str) -> bool:
+    """Whether a run can log a metric of this name."""
+    return name in KNOWN or any(p.fullmatch(name) for p in PATTERNS)
+
+
+def closest_metric(name: str) -> str | None:
+    """The known name nearest to ``name`` (a suggestion for a typo), if one is near."""
+    match = difflib.get_close_matches(name, sorted(KNOWN), n=1, cutoff=0.6)
+    return match[0] if match else None
