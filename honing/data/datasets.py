@@ -160,8 +160,9 @@ def _row_to_prompt(
 ) -> Prompt:
     """Validate one row against verl's schema and build its ``Prompt``.
 
-    The id is ``f"{id_prefix}:{extra_info['index']}"`` when the row has an index (stable
-    when the file is re-ordered), else ``f"{id_prefix}:{position}"``.
+    The id is ``f"{id_prefix}:index={extra_info['index']}"`` when the row has an index
+    (stable when the file is re-ordered), else ``f"{id_prefix}:{position}"``: the two forms
+    never meet, so a file that gives an index to some rows only still has unique ids.
     """
     if not isinstance(row, dict):
         raise _BadRow(f"row is a {type(row).__name__}; {_EXPECTED_ROW}")
@@ -178,7 +179,7 @@ def _row_to_prompt(
         raise _BadRow(f"'extra_info' is a {type(extra_info).__name__}; expected an object")
     index = extra_info.get("index")
     return Prompt(
-        id=f"{id_prefix}:{position if index is None else index}",
+        id=f"{id_prefix}:{position}" if index is None else f"{id_prefix}:index={index}",
         prompt=prompt,
         ground_truth=_ground_truth(row),
         data_source=data_source,

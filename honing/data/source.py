@@ -2,10 +2,11 @@
 
 Epoch ``e`` visits every prompt once, in an order shuffled by ``random.Random(f"{seed}:{e}")``
 (independent of any global random state). A batch that reaches the end of an epoch is
-filled from the start of the next one, so no prompt is dropped and every batch is full;
-``batch_size`` may exceed the number of prompts. The cursor (epoch, position) is all the
-state there is, so a source restored with ``load_state_dict`` yields exactly the batches
-the uninterrupted one would have.
+filled from the start of the next one, so no prompt is dropped and every batch is full.
+A batch larger than the dataset is refused: it would hold some prompts twice (verl's
+loader, which drops an incomplete batch, has no batch at all then). The cursor (epoch,
+position) is all the state there is, so a source restored with ``load_state_dict`` yields
+exactly the batches the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class PromptSource:
 
     Args:
         prompts: the dataset; must not be empty.
-        batch_size: prompts per batch (``rollout.batch_size``).
+        batch_size: prompts per batch (``rollout.batch_size``), at most ``len(prompts)``.
         seed: shuffling seed (``trainer.seed``).
         shuffle: ``False`` keeps file order in every epoch.
     """
@@ -34,6 +35,12 @@ class PromptSource:
             raise DataError("no prompts to train on; expected at least one row in data files")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size > len(prompts):
+            raise DataError(
+                f"rollout.batch_size={batch_size} is more than the {len(prompts)} training "
+                "prompts, so a batch would hold a prompt twice; lower rollout.batch_size or "
+                "add training data"
+            )
         self._prompts = list(prompts)
         self._batch_size = batch_size
         self._seed = seed

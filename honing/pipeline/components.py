@@ -31,6 +31,7 @@ from honing.models.tiny import TINY, TINY_MOE, TinySpec, build_tiny_model
 from honing.pipeline.inputs import (
     build_scorer,
     check_ground_truths,
+    keep_tokenized,
     load_datasets,
     tokenize_prompts,
 )
@@ -194,7 +195,10 @@ def build_components(config: Config, log=print, group=None) -> Components:
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
         reference = layout.prepare(frozen_model(model_path, tokenizer, config, device))
-    rendered, prompt_ids = tokenize_prompts(train + val, tokenizer, rollout.max_seq_len)
+    rendered, prompt_ids = tokenize_prompts(
+        train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
+    )
+    train, val, skipped = keep_tokenized(train, val, skipped, prompt_ids)
     local = local_engine(config, sampler, tokenizer, device)
     local.shares_policy = sampler is policy
     if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:

@@ -35,12 +35,13 @@ def load_datasets(config: Config) -> tuple[list[Prompt], list[Prompt], int]:
 CHARS_PER_TOKEN_BOUND = 32
 
 
-def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
+def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int, on_bad_row: str = "error"):
     """Render (chat template when the tokenizer has one) and tokenize each distinct prompt.
 
-    A prompt of ``rollout.max_seq_len`` tokens or more is a DataError naming its file and line;
-    a very long one is found from its first ``CHARS_PER_TOKEN_BOUND * max_seq_len`` characters,
-    without tokenizing all of it."""
+    A prompt of ``rollout.max_seq_len`` tokens or more is a bad row: a DataError naming its file
+    and line, or under ``on_bad_row="skip"`` left out of both mappings (``keep_tokenized``
+    drops it from the datasets and counts it). A very long one is found from its first
+    ``CHARS_PER_TOKEN_BOUND * max_seq_len`` characters, without tokenizing all of it."""
     rendered, ids = {}, {}
     special = not getattr(tokenizer, "chat_template", None)  # templates carry their own
     prefix_chars = CHARS_PER_TOKEN_BOUND * max_seq_len
@@ -48,25 +49,45 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, max_seq_len: int):
         if prompt.id in ids:
             continue
         text = render_prompt(prompt, tokenizer)
-        if len(text) > prefix_chars:
-            head = tokenizer.encode(text[:prefix_chars], add_special_tokens=special)
-            if len(head) >= max_seq_len:
-                _too_long(
-                    prompt, f"at least {len(head)} tokens ({len(text)} characters)", max_seq_len
-                )
-        tokens = tokenizer.encode(text, add_special_tokens=special)
-        if len(tokens) >= max_seq_len:
-            _too_long(prompt, f"{len(tokens)} tokens", max_seq_len)
-        rendered[prompt.id], ids[prompt.id] = text, tokens
+        tokens, size = _tokens(text, tokenizer, special, prefix_chars, max_seq_len)
+        if size is None:
+            rendered[prompt.id], ids[prompt.id] = text, tokens
+        elif on_bad_row != "skip":
+            where = prompt.origin or f"prompt {prompt.id}"
+            raise DataError(
+                f"{where}: the prompt has {size}, not less than rollout.max_seq_len="
+                f"{max_seq_len}; raise it or shorten the prompt"
+            )
     return rendered, ids
 
 
-def _too_long(prompt: Prompt, size: str, max_seq_len: int) -> None:
-    where = prompt.origin or f"prompt {prompt.id}"
-    raise DataError(
-        f"{where}: the prompt has {size}, not less than rollout.max_seq_len={max_seq_len}; "
-        "raise it or shorten the prompt"
-    )
+def _tokens(text: str, tokenizer, special: bool, prefix_chars: int, max_seq_len: int):
+    """``(tokens, None)``, or ``(None, how long it is)`` for a text too long to take."""
+    if len(text) > prefix_chars:
+        head = tokenizer.encode(text[:prefix_chars], add_special_tokens=special)
+        if len(head) >= max_seq_len:
+            return None, f"at least {len(head)} tokens ({len(text)} characters)"
+    tokens = tokenizer.encode(text, add_special_tokens=special)
+    if len(tokens) >= max_seq_len:
+        return None, f"{len(tokens)} tokens"
+    return tokens, None
+
+
+def keep_tokenized(
+    train: list[Prompt], val: list[Prompt], skipped: int, prompt_ids: dict[str, list[int]]
+) -> tuple[list[Prompt], list[Prompt], int]:
+    """``train`` and ``val`` less the prompts ``tokenize_prompts`` skipped as too long, and
+    ``skipped`` with them counted. A dataset they leave empty is a DataError, as a file with
+    no valid row is."""
+    kept = [p for p in train if p.id in prompt_ids], [p for p in val if p.id in prompt_ids]
+    for name, prompts, before in (("training", kept[0], train), ("validation", kept[1], val)):
+        if before and not prompts:
+            raise DataError(
+                f"every {name} prompt is at least rollout.max_seq_len tokens long (all "
+                f"{len(before)} skipped); raise rollout.max_seq_len or shorten the prompts"
+            )
+    dropped = len(train) + len(val) - len(kept[0]) - len(kept[1])
+    return kept[0], kept[1], skipped + dropped
 
 
 def build_scorer(config: Config) -> Scorer:
@@ -119,6 +140,7 @@ def check_ground_truths(prompts: list[Prompt], scorer: Scorer) -> None:
         )
         if not truths or any(parse_number(str(t)) is None for t in truths):
             raise DataError(
-                f"{prompt.id}: ground truth {prompt.ground_truth!r} is not a number; the numeric "
-                "reward needs one (or set reward.function to your own verifier)"
+                f"{prompt.origin or prompt.id}: ground truth {prompt.ground_truth!r} is not a "
+                "number; the numeric reward needs one (or set reward.function to your own "
+                "verifier)"
             )

@@ -56,7 +56,7 @@ def test_messages_prompt_defaults_and_conveniences(tmp_path):
     assert first.ground_truth == 4
     assert first.data_source == "chat"  # the file stem
     assert first.id == "chat.jsonl:1"
-    assert second.id == "chat.jsonl:41"  # extra_info.index wins over the line number (3)
+    assert second.id == "chat.jsonl:index=41"  # extra_info.index wins over the line number (3)
     assert second.ground_truth == "6"
     assert second.extra_info == {"index": 41, "split": "test"}
 
@@ -171,8 +171,24 @@ def test_duplicate_ids_are_rejected(tmp_path):
             row(prompt="b", answer="2", extra_info={"index": 0}),
         ],
     )
-    with pytest.raises(DataError, match=r"dup.jsonl:2: duplicate prompt id 'dup.jsonl:0'"):
+    with pytest.raises(DataError, match=r"dup.jsonl:2: duplicate prompt id 'dup.jsonl:index=0'"):
         load_prompts([path])
+
+
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_rows_with_and_without_an_index_get_unique_ids(tmp_path, on_bad_row):
+    # line 1's index 2 and line 2's line number are both 2: neither is a duplicate
+    path = write_lines(
+        tmp_path / "mix.jsonl",
+        [
+            row(prompt="a", answer="1", extra_info={"index": 2}),
+            row(prompt="b", answer="2"),
+            row(prompt="c", answer="3", extra_info={"index": 1}),
+        ],
+    )
+    prompts, skipped = load_prompts([path], on_bad_row=on_bad_row)
+    assert skipped == 0
+    assert [p.id for p in prompts] == ["mix.jsonl:index=2", "mix.jsonl:2", "mix.jsonl:index=1"]
 
 
 def test_several_files_keep_order(tmp_path):

@@ -1,7 +1,6 @@
 """PromptSource: full batches across epochs, reshuffling, and exact resume."""
 
 import json
-from collections import Counter
 
 import pytest
 
@@ -37,14 +36,20 @@ def test_each_epoch_visits_every_prompt_once_in_a_new_order():
     assert epoch_0 != epoch_1
 
 
-def test_batch_larger_than_dataset_spans_epochs():
-    source = PromptSource(make_prompts(3), batch_size=7, seed=1)
-    batch = ids(source.next_batch())
-    assert len(batch) == 7
-    # Two whole epochs, then the first prompt of the third: nothing dropped.
-    assert set(batch[0:3]) == set(batch[3:6]) == {"p0", "p1", "p2"}
-    assert sorted(Counter(batch).values()) == [2, 2, 3]
-    assert source.epoch == 2
+def test_a_batch_as_large_as_the_dataset_is_one_epoch():
+    source = PromptSource(make_prompts(3), batch_size=3, seed=1)
+    assert sorted(ids(source.next_batch())) == ["p0", "p1", "p2"]
+    assert sorted(ids(source.next_batch())) == ["p0", "p1", "p2"]
+    assert source.epoch == 1
+
+
+def test_a_batch_larger_than_the_dataset_is_refused():
+    with pytest.raises(DataError) as info:
+        PromptSource(make_prompts(3), batch_size=7, seed=1)
+    assert str(info.value) == (
+        "rollout.batch_size=7 is more than the 3 training prompts, so a batch would hold a "
+        "prompt twice; lower rollout.batch_size or add training data"
+    )
 
 
 def test_same_seed_same_stream():
