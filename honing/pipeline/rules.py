@@ -22,6 +22,7 @@ def check_config(config: Config, world_size: int = 1) -> None:
     for check in (_algorithm, _routing, _monitor, _data, _rollout, _schedule, _strategy):
         check(config)
     _backend(config, world_size)
+    _ranks(config, world_size)
 
 
 def _algorithm(config: Config) -> None:
@@ -202,6 +203,35 @@ def check_remote_routing(config: Config, engine, prompt_ids: list[int]) -> None:
             "experts; start vLLM or SGLang with --enable-return-routed-experts (honing serve "
             "rollout returns them for a mixture-of-experts policy), or set "
             "algorithm.routing_replay=off"
+        )
+
+
+def _ranks(config: Config, world_size: int) -> None:
+    """Under torchrun each rank trains on its share of every mini-batch's sequences
+    (``replicate`` and ``fsdp`` alike, the critic's mini-batches being the policy's), so the
+    smallest mini-batch needs one per rank. Dynamic sampling may train a batch of a single
+    group; a batch that ``reward.on_error=drop`` shrinks is not known before it is scored."""
+    if world_size <= 1:
+        return
+    r, mini = config.rollout, config.trainer.mini_batch_size
+    if config.algorithm.dynamic_sampling and r.group_size < world_size:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling may train a batch of one group, whose rollout."
+            f"group_size={r.group_size} sequences {world_size} torchrun ranks cannot share; "
+            f"raise rollout.group_size to {world_size} or run at most {r.group_size} ranks"
+        )
+    if not mini or mini >= r.batch_size:  # the whole batch in one mini-batch
+        smallest, fix = r.batch_size * r.group_size, "raise rollout.batch_size or group_size"
+    elif mini * r.group_size < world_size:
+        smallest, fix = mini * r.group_size, "raise trainer.mini_batch_size"
+    else:  # the batch's last mini-batch is what is left over
+        smallest = (r.batch_size % mini or mini) * r.group_size
+        fix = "make trainer.mini_batch_size divide rollout.batch_size"
+    if smallest < world_size:
+        raise ConfigError(
+            f"a mini-batch of {smallest} sequences (rollout.batch_size={r.batch_size}, "
+            f"group_size={r.group_size}, trainer.mini_batch_size={mini}) cannot be shared by "
+            f"{world_size} torchrun ranks; {fix}, or run at most {smallest} ranks"
         )
 
 

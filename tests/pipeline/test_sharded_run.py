@@ -144,6 +144,54 @@ def test_fsdp_without_torchrun_trains_as_one_process_and_says_so(
     assert said == ["trainer.strategy=fsdp: one process (not launched by torchrun): trains whole"]
 
 
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+@pytest.mark.parametrize(
+    "values, ranks, message",
+    [
+        ({"rollout.batch_size": 1, "rollout.group_size": 2}, 3, "a mini-batch of 2 sequences"),
+        (
+            {"rollout.batch_size": 4, "rollout.group_size": 2, "trainer.mini_batch_size": 1},
+            3,
+            "2 sequences (.*); raise trainer.mini_batch_size, or run at most 2 ranks",
+        ),
+        (
+            {"rollout.batch_size": 5, "rollout.group_size": 2, "trainer.mini_batch_size": 2},
+            3,
+            "2 sequences (.*); make trainer.mini_batch_size divide rollout.batch_size",
+        ),
+        (
+            {"rollout.batch_size": 4, "rollout.group_size": 2, "algorithm.dynamic_sampling": True},
+            3,
+            "dynamic_sampling may train a batch of one group, whose rollout.group_size=2 seq",
+        ),
+    ],
+)
+def test_a_mini_batch_smaller_than_the_ranks_is_refused_at_the_start(
+    strategy, values, ranks, message
+):
+    config = build_config(BASE | values | {"trainer.strategy": strategy})
+    with pytest.raises(ConfigError, match=message):
+        check_config(config, world_size=ranks)
+    check_config(config, world_size=2)  # 2 sequences: one for each of 2 ranks
+
+
+def test_three_ranks_that_cannot_share_a_batch_stop_before_loading(tmp_path, micro_model_dir):
+    """What each rank says, launched by torchrun (the world size its environment gives)."""
+    args = [f"model.path={micro_model_dir}", "trainer.strategy=fsdp", "rollout.batch_size=1"]
+    args += ["rollout.group_size=2", "--output-dir", tmp_path / "run"]
+    command = warm.torchrun(3, "train", *args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "ValueError" not in result.stderr
+    said = {line for line in result.stderr.splitlines() if line.startswith("honing: error: ")}
+    # one line on every rank that got to say it before torchrun stopped the others
+    assert said == {
+        "honing: error: a mini-batch of 2 sequences (rollout.batch_size=1, group_size=2, "
+        "trainer.mini_batch_size=0) cannot be shared by 3 torchrun ranks; raise "
+        "rollout.batch_size or group_size, or run at most 2 ranks"
+    }
+    assert not (tmp_path / "run").exists()
+
+
 def test_ranks_launched_with_different_configs_fail_at_once(tmp_path, micro_model_dir):
     """Each rank reads its own top_k from the environment torchrun gives it."""
     train = shlex.join(warm.honing("train", f"model.path={micro_model_dir}"))
