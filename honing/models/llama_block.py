@@ -102,7 +102,10 @@ def supports(model: nn.Module) -> bool | str:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if not is_moe_block(mlp):
-            linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            gated = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+            if None in gated:  # e.g. an MoE block whose router a wrapper hides
+                return f"{type(mlp).__name__} is neither a gated MLP nor a top-k routed MoE block"
+            linears += gated
         if not all(_plain_or_lora(linear) for linear in linears):
             return "a projection is not nn.Linear or a LoRA layer on one (quantised?)"
         extra = set(dict(attn.named_children())) - {"q_proj", "k_proj", "v_proj", "o_proj"}

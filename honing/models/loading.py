@@ -137,18 +137,58 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str]):
         raise ConfigError(
             "model.lora_rank > 0 needs PEFT: pip install peft (or pip install -e '.[lora]')"
         ) from None
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ConfigError(
-            f"model.lora_target_modules: {missing} are not module names of this model "
-            f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})"
-        )
+    check_lora_targets(model, targets)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none"
     )
     with peft_quietly():
         return get_peft_model(model, config)
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    """Every name in ``targets`` is a module name of ``model`` whose modules are all linear or
+    embedding layers, else a ``ConfigError`` listing the linear layers it has. A mixture-of-
+    experts router is refused whatever its type: routing replay and the router statistics
+    (``models.moe``) find and hook the router module itself, which an adapter would wrap and
+    change; so are its experts, whose fused 3-D weights PEFT cannot adapt by module name."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    from honing.models.llama_block import is_moe_block
+
+    moe: dict[int, str] = {}
+    for module in model.modules():
+        if is_moe_block(module):
+            moe[id(module.gate)] = "a mixture-of-experts router"
+            moe[id(module.experts)] = "mixture-of-experts experts held as fused 3-D weights"
+    by_name: dict[str, list[torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        by_name.setdefault(name.rsplit(".", 1)[-1], []).append(module)
+    linear = ", ".join(
+        sorted(
+            name
+            for name, modules in by_name.items()
+            if all(isinstance(m, (torch.nn.Linear, Conv1D)) and id(m) not in moe for m in modules)
+        )
+    )
+    missing = [t for t in targets if t not in by_name]
+    if missing:
+        raise ConfigError(
+            f"model.lora_target_modules: {missing} are not module names of this model; "
+            f"its linear layers: {linear}"
+        )
+    for target in targets:
+        for module in by_name[target]:
+            kind = type(module).__name__
+            if id(module) in moe:
+                what = f"{moe[id(module)]} ({kind})"
+            elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding, Conv1D)):
+                continue
+            else:
+                what = f"a {kind}"
+            raise ConfigError(
+                f"model.lora_target_modules: {target!r} names {what}, which LoRA does not "
+                f"adapt here; choose among its linear layers: {linear}"
+            )
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 from honing.backends.launch import train  # noqa: E402
+from honing.cli import main  # noqa: E402
 from honing.errors import ConfigError  # noqa: E402
 from honing.models import llama_block  # noqa: E402
 from honing.models.loading import (  # noqa: E402
@@ -23,6 +24,7 @@ from honing.models.loading import (  # noqa: E402
 )
 from honing.pipeline.components import build_components  # noqa: E402
 from honing.rollout.fast_decode import FastDecoder, supports  # noqa: E402
+from tests.models.moe_models import moe_model  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402
 
@@ -190,3 +192,38 @@ def test_lora_target_modules_must_name_modules(micro_model_dir, digit_reward):
     )
     with pytest.raises(ConfigError, match="qq_proj"):
         build_components(bad, log=lambda m: None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "target, what",
+    [("gate", "a mixture-of-experts router"), ("experts", "mixture-of-experts experts held")],
+)
+def test_lora_on_the_routers_or_experts_is_refused_naming_what_works(family, target, what):
+    """Routing replay and the router statistics hook the router module itself, which PEFT
+    would wrap; the experts are fused 3-D weights PEFT cannot adapt by module name."""
+    model = moe_model(family, 64, 0)
+    with pytest.raises(ConfigError) as info:
+        apply_lora(model, 4, 8.0, [target])
+    message = str(info.value)
+    assert message.startswith(f"model.lora_target_modules: '{target}' names {what}")
+    assert "choose among its linear layers: " in message and "o_proj" in message
+    assert "\n" not in message
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_a_moe_run_with_lora_on_its_routers_stops_with_one_line(tmp_path, moe_dirs, capsys):
+    out = tmp_path / "out"
+    argv = [f"model.path={moe_dirs['qwen3_moe']}", "model.lora_rank=4"]
+    argv += ["model.lora_target_modules=[q_proj,gate]", "--output-dir", str(out)]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'gate' names a mixture-of-experts router" in err[0], err
+    assert not out.exists()
+
+
+def test_a_decoder_layer_whose_router_is_hidden_is_not_taken_by_the_lean_paths():
+    model = moe_model("qwen3_moe", 64, 0)
+    block = model.model.layers[0].mlp
+    block.gate = torch.nn.Sequential(block.gate)  # as a wrapper would hold it: no top_k
+    assert "Qwen3MoeSparseMoeBlock is neither a gated MLP" in llama_block.supports(model)
