@@ -150,6 +150,8 @@ def _rollout_app(ns: argparse.Namespace):
         engine,
         model_name=ns.name or ns.model,
         max_seq_len=ns.max_seq_len,
+        max_tokens=ns.max_tokens,
+        max_sequences=ns.max_sequences,
         token=ns.token,
         exit_after=ns.exit_after,
     )

@@ -16,6 +16,12 @@ rather than piling up (the client retries elsewhere or later). With a token, ``/
 answers a bare ``{"status": "ok"}`` to anyone (load balancers, container health checks) and
 its details only with the token; ``/metrics`` needs the token. The connection guards (slow
 clients, open connections, keep-alive) are the server's: ``honing.services.server``.
+
+``create_app`` is the one way every service does these: the rollout server (which has no
+``/score``) adds its routes to the app it returns, under the same token, ``/health`` and
+``/metrics``; a route refuses a request by raising ``Refused``, answered in the service's error
+shape. ``honing_requests_total`` counts the answers to every request but health checks and
+scrapes, by status code.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.datastructures import Headers
 
 from honing.rewards.registry import describe_error
 
@@ -89,8 +96,13 @@ class _Metrics:
         return "\n".join(lines) + "\n"
 
 
-class BadRequest(ValueError):
-    """The request body is not the ``/score`` envelope; the message names the field."""
+class Refused(Exception):
+    """A request a service refuses: ``status`` (4xx) and a message naming the field at fault
+    and what is expected."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 _FIELD_TYPES = {"response": str, "data_source": str, "prompt": str, "extra_info": dict}
@@ -102,30 +114,31 @@ def parse_items(body: bytes, required: tuple[str, ...] = ("response",)) -> list[
     present and not null in every item.
 
     Raises:
-        BadRequest: not JSON, nested too deeply, no ``items`` list, a required field missing,
-            or a field of the wrong type.
+        Refused: (422) not JSON, nested too deeply, no ``items`` list, a required field
+            missing, or a field of the wrong type.
     """
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not JSON ({exc})") from None
+        raise Refused(f"body is not JSON ({exc})", 422) from None
     except RecursionError:
-        raise BadRequest("body is nested too deeply to parse") from None
+        raise Refused("body is nested too deeply to parse", 422) from None
     items = payload.get("items") if isinstance(payload, dict) else None
     if not isinstance(items, list):
-        raise BadRequest('expected {"items": [...]}')
+        raise Refused('expected {"items": [...]}', 422)
     for index, item in enumerate(items):
         where = f"items[{index}]"
         if not isinstance(item, dict):
-            raise BadRequest(f"{where}: expected an object")
+            raise Refused(f"{where}: expected an object", 422)
         for key in required:
             if item.get(key) is None:
-                raise BadRequest(
-                    f"{where}.{key}: missing or null (every item needs {', '.join(required)})"
+                raise Refused(
+                    f"{where}.{key}: missing or null (every item needs {', '.join(required)})",
+                    422,
                 )
         for key, kind in _FIELD_TYPES.items():
             if item.get(key) is not None and not isinstance(item[key], kind):
-                raise BadRequest(f"{where}.{key}: expected {_TYPE_NAMES[kind]}")
+                raise Refused(f"{where}.{key}: expected {_TYPE_NAMES[kind]}", 422)
         item.setdefault("data_source", "")
         item["extra_info"] = item.get("extra_info") or {}
     return items
@@ -148,8 +161,68 @@ def result_json(result: Any) -> tuple[dict[str, Any], str]:
     return {"score": score, "details": details}, str(details.get("verdict", "scored"))
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, read no further than ``max_bytes``.
+
+    Raises:
+        Refused: (413) the body is over ``max_bytes``.
+    """
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > max_bytes:
+        raise Refused(f"body of {declared} bytes is over the {max_bytes} limit", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise Refused(f"body is over the {max_bytes}-byte limit", 413)
+    return bytes(body)
+
+
+def plain_error(code: int, message: str) -> dict[str, Any]:
+    """The scoring services' error body: ``{"error": message}``."""
+    return {"error": message}
+
+
+class _Gate:
+    """ASGI middleware in front of every route: with a token, a request without it is refused
+    (401), except ``/health``, which decides for itself what to tell; the answers to every
+    request but health checks and scrapes are counted by status code."""
+
+    def __init__(self, app, *, token: str, refuse, counts: Counter[str]) -> None:
+        self.app, self.token, self.refuse, self.counts = app, token, refuse, counts
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path not in ("/health", "/metrics"):
+            send = self._counting(send)
+        if path != "/health" and not authorised(scope, self.token):
+            await self.refuse(401, _UNAUTHORISED)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _counting(self, send):
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.counts[str(message["status"])] += 1
+            await send(message)
+
+        return counted
+
+
+def authorised(scope, token: str) -> bool:
+    """Whether the request of ``scope`` carries ``Authorization: Bearer TOKEN`` (any request
+    does when there is no token)."""
+    if not token:
+        return True
+    given = Headers(scope=scope).get("authorization", "").encode()
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
 def create_app(
-    scorer: Any,
+    scorer: Any = None,
     *,
     service: str,
     required: tuple[str, ...] = ("response",),
@@ -158,49 +231,81 @@ def create_app(
     max_body_bytes: int = 16 << 20,
     max_concurrency: int = 8,
     max_queue: int = 64,
+    error_body: Callable[[int, str], dict[str, Any]] = plain_error,
+    extra_metrics: Callable[[], str] | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving ``scorer.score_batch`` under the guards of the module docstring;
-    ``required`` are the item fields the scorer cannot do without, ``health`` adds fields to
-    ``GET /health``."""
+    """A FastAPI app under the guards of the module docstring, serving ``scorer.score_batch``
+    at ``POST /score`` when there is a scorer.
+
+    Args:
+        required: the item fields the scorer cannot do without.
+        health: adds fields to ``GET /health``'s details.
+        error_body: the JSON body of a refusal, from its status code and message.
+        extra_metrics: Prometheus text added to ``GET /metrics``.
+    """
     metrics = _Metrics(service)
-    executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=service)
+    executor = (
+        ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=service)
+        if scorer is not None
+        else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        executor.shutdown(wait=False, cancel_futures=True)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         closer = getattr(scorer, "close", None)
         if callable(closer):
             closer()
 
     app = FastAPI(title=f"honing {service}", docs_url=None, redoc_url=None, lifespan=lifespan)
-    gate = asyncio.Semaphore(max_concurrency)
-    expected_auth = f"Bearer {token}".encode()
 
     def refuse(code: int, message: str, **headers: str) -> JSONResponse:
-        metrics.requests[str(code)] += 1
-        return JSONResponse({"error": message}, status_code=code, headers=headers)
+        return JSONResponse(error_body(code, message), status_code=code, headers=headers)
 
-    def authorised(request: Request) -> bool:
-        given = request.headers.get("authorization", "").encode()
-        return not token or hmac.compare_digest(given, expected_auth)
+    app.add_middleware(_Gate, token=token, refuse=refuse, counts=metrics.requests)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return refuse(exc.status, str(exc))
+
+    @app.get("/health")
+    async def healthz(request: Request) -> dict[str, Any]:
+        if not authorised(request.scope, token):
+            return {"status": "ok"}
+        queue = {"in_flight": metrics.in_flight, "waiting": metrics.waiting} if scorer else {}
+        return {"status": "ok", "service": service, **queue, **(health() if health else {})}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        page = metrics.render() + (extra_metrics() if extra_metrics else "")
+        return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
+
+    if scorer is not None:
+        limits = (required, max_body_bytes, max_concurrency, max_queue)
+        _score_route(app, scorer, executor, metrics, refuse, *limits)
+    return app
+
+
+def _score_route(
+    app: FastAPI,
+    scorer: Any,
+    executor: ThreadPoolExecutor,
+    metrics: _Metrics,
+    refuse: Callable[..., JSONResponse],
+    required: tuple[str, ...],
+    max_body_bytes: int,
+    max_concurrency: int,
+    max_queue: int,
+) -> None:
+    """``POST /score``: the items parsed, then scored on ``executor`` under bounded
+    concurrency with back-pressure (503 past ``max_queue`` waiting)."""
+    gate = asyncio.Semaphore(max_concurrency)
 
     @app.post("/score")
     async def score(request: Request) -> JSONResponse:
-        if not authorised(request):
-            return refuse(401, _UNAUTHORISED)
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > max_body_bytes:
-            return refuse(413, f"body of {declared} bytes is over the {max_body_bytes} limit")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                return refuse(413, f"body is over the {max_body_bytes}-byte limit")
-        try:
-            items = parse_items(bytes(body), required)
-        except BadRequest as exc:
-            return refuse(422, str(exc))
+        items = parse_items(await read_body(request, max_body_bytes), required)
         if metrics.in_flight + metrics.waiting >= max_concurrency + max_queue:
             return refuse(
                 503, "busy: too many requests waiting; retry later", **{"Retry-After": "1"}
@@ -224,25 +329,4 @@ def create_app(
             metrics.items[verdict] += 1
             results.append(wire)
         metrics.observe(time.perf_counter() - start)
-        metrics.requests["200"] += 1
         return JSONResponse({"results": results})
-
-    @app.get("/health")
-    async def healthz(request: Request) -> dict[str, Any]:
-        if not authorised(request):
-            return {"status": "ok"}
-        return {
-            "status": "ok",
-            "service": service,
-            "in_flight": metrics.in_flight,
-            "waiting": metrics.waiting,
-            **(health() if health else {}),
-        }
-
-    @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        if not authorised(request):
-            return refuse(401, _UNAUTHORISED)
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app

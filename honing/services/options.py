@@ -29,6 +29,21 @@ class ServerLimits:
     """Seconds an idle keep-alive connection stays open between requests."""
 
 
+@dataclass(frozen=True)
+class CompletionLimits:
+    """What one completion request may ask of ``honing serve rollout`` (``--max-seq-len``,
+    ``--max-tokens``, ``--max-sequences``): a request past them is refused with 400, so that
+    no request can take more memory than these allow."""
+
+    max_seq_len: int = 4096
+    """Prompt + response tokens; a prompt must leave room for one response token, and a
+    response stops where the sequence reaches it."""
+    max_tokens: int = 4096
+    """The ``max_tokens`` (response tokens per completion) a request may ask for."""
+    max_sequences: int = 1024
+    """Completions one request may ask for: its prompts times ``n``."""
+
+
 class Range(NamedTuple):
     """The values an option allows: from ``low`` (excluded when ``low_open``) up to ``high``
     (``None``: no bound); never NaN or infinite."""
@@ -38,12 +53,16 @@ class Range(NamedTuple):
     low_open: bool = False
 
     def __contains__(self, value: object) -> bool:
-        if not isinstance(value, int | float) or not math.isfinite(value):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
             return False
         above_low = value > self.low if self.low_open else value >= self.low
         return above_low and (self.high is None or value <= self.high)
 
     def __str__(self) -> str:
+        if self.high is not None and self.low_open:
+            return f"> {self.low} and <= {self.high}"
         if self.high is not None:
             return f"{self.low}..{self.high}"
         return f"> {self.low}" if self.low_open else f">= {self.low}"
@@ -134,7 +153,33 @@ def _rollout(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--model", required=True, help="local model directory or builtin:tiny")
     sub.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    _number(sub, "--max-seq-len", int, 4096, Range(2), help="prompt + response")
+    limits = CompletionLimits()
+    _number(
+        sub,
+        "--max-seq-len",
+        int,
+        limits.max_seq_len,
+        Range(2),
+        help="prompt + response tokens; a longer prompt is refused "
+        f"(default: {limits.max_seq_len})",
+    )
+    _number(
+        sub,
+        "--max-tokens",
+        int,
+        limits.max_tokens,
+        AT_LEAST_ONE,
+        help=f"the most max_tokens a request may ask for (default: {limits.max_tokens})",
+    )
+    _number(
+        sub,
+        "--max-sequences",
+        int,
+        limits.max_sequences,
+        AT_LEAST_ONE,
+        help="the most completions (prompts x n) one request may ask for "
+        f"(default: {limits.max_sequences})",
+    )
     sub.add_argument("--name", default="", help="served model name (default: the path)")
     _number(sub, "--threads", int, 0, NON_NEGATIVE, help="torch threads (0 = default)")
     _number(

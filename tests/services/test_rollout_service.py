@@ -1,11 +1,20 @@
-"""The rollout server's guards (token, bodies), over an engine that never generates: these
-requests are answered before any generation."""
+"""The rollout server's guards: the token and bad bodies (over an engine that never
+generates: these requests are answered before any generation), the bounds and ranges of a
+completion request, and weight updates that do not fit the served model (over the micro model
+served in process)."""
 
 from types import SimpleNamespace
 
 import httpx
+import pytest
+import torch
+from safetensors.torch import save, save_file
 
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.rollout.transformers_engine import TransformersEngine
 from honing.services.rollout import rollout_app
+
+CPU = torch.device("cpu")
 
 _UNAUTHORISED = "missing or wrong bearer token (Authorization: Bearer ...)"
 
@@ -51,3 +60,132 @@ def test_bad_bodies_are_400_naming_the_problem(serve):
             assert answer.status_code == 400, (path, body[:20])
             assert answer.json()["error"]["message"] == error
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.fixture
+def engine(micro_model_dir):
+    """The micro model served in process (its own copy: tests change its weights)."""
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU).eval()
+    return TransformersEngine(model, tokenizer, device=CPU)
+
+
+def _send(url: str, tensors: dict) -> httpx.Response:
+    return httpx.post(f"{url}/update_weights?version=5", content=save(tensors), timeout=30)
+
+
+def _message(answer: httpx.Response) -> str:
+    return answer.json()["error"]["message"]
+
+
+def test_weights_that_do_not_fit_are_refused_naming_the_tensor(serve, engine):
+    url = serve(rollout_app(engine, model_name="m"))
+    own = engine.model.state_dict()
+    before = {name: tensor.clone() for name, tensor in own.items()}
+    q = "model.layers.0.self_attn.q_proj.weight"  # [32, 32]
+    embed = "model.embed_tokens.weight"  # [99, 32]
+    for tensors, problem in (
+        ({q: torch.ones(1, 32)}, f"weights: {q} has shape (1, 32); the served model's is (32, 32)"),
+        ({embed: torch.tensor(0.5)}, f"weights: {embed} has shape (); the served model's is"),
+        ({q: torch.full((32, 32), float("nan"))}, f"weights: {q} has non-finite values"),
+        ({q: torch.full((32, 32), float("inf"))}, f"weights: {q} has non-finite values"),
+        ({q: torch.ones(32, 32, dtype=torch.int64)}, f"weights: {q} has dtype torch.int64"),
+        ({q: torch.full((32, 32), 1e6)}, None),  # fine in float32 (beyond float16's range)
+    ):
+        answer = _send(url, tensors)
+        if problem is None:
+            assert answer.status_code == 200
+            own[q].copy_(before[q])
+            continue
+        assert answer.status_code == 400 and _message(answer).startswith(problem), tensors
+    assert all(torch.equal(own[name], before[name]) for name in own)
+
+
+def test_a_weight_update_is_applied_all_or_nothing(serve, engine, tmp_path):
+    """Every weight moved but one of the wrong size: nothing is applied, by either endpoint,
+    and the server keeps its version and its samples."""
+    url = serve(rollout_app(engine, model_name="m"))
+    own = engine.model.state_dict()
+    before = {name: tensor.clone() for name, tensor in own.items()}
+    prompt = {"prompt": [[5, 6, 7]], "max_tokens": 4, "temperature": 0}
+    sampled = httpx.post(f"{url}/v1/completions", json=prompt, timeout=30).json()["choices"]
+    moved = {name: tensor + 0.5 for name, tensor in own.items()}
+    moved["model.norm.weight"] = torch.ones(33)  # [32] in the model
+    (tmp_path / "bad").mkdir()
+    save_file(moved, tmp_path / "bad" / "model.safetensors")
+    refused = [
+        _send(url, moved),
+        httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "bad")}),
+    ]
+    for answer in refused:
+        assert answer.status_code == 400
+        assert _message(answer) == (
+            "weights: model.norm.weight has shape (33,); the served model's is (32,)"
+        )
+    assert all(torch.equal(own[name], before[name]) for name in own)
+    assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+    again = httpx.post(f"{url}/v1/completions", json=prompt, timeout=30).json()["choices"]
+    assert again == sampled
+    del moved["model.norm.weight"]
+    assert _send(url, moved).json() == {"success": True, "weight_version": 5}
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(own[up], moved[up]) and not torch.equal(own[up], before[up])
+
+
+def _complete(url: str, **fields) -> httpx.Response:
+    body = {"prompt": [[5, 6, 7]], "max_tokens": 2} | fields
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+
+
+def test_requests_past_the_servers_bounds_are_400(serve, engine):
+    url = serve(rollout_app(engine, model_name="m", max_seq_len=16, max_tokens=6, max_sequences=8))
+    for fields, problem in (
+        ({"n": 9}, "n: expected 1..8, got 9"),
+        (
+            {"n": 3, "prompt": [[5], [6], [7]]},
+            "n: 3 prompts x n=3 are 9 completions, over this server's --max-sequences 8",
+        ),
+        ({"max_tokens": 7}, "max_tokens: expected 1..6, got 7"),
+        (
+            {"prompt": [[5] * 16]},
+            "prompt[0]: 16 tokens leave no room for a response under this server's "
+            "--max-seq-len 16",
+        ),
+        ({"prompt": "1" * 16}, "prompt[0]: 16 tokens leave no room"),
+        ({"n": 1e30}, "n: expected 1..8, got 1e+30"),
+        ({"n": "1e30"}, "n: expected 1..8, got 1e30"),
+        ({"max_tokens": 10**40}, "max_tokens: expected 1..6, got 1000"),
+        ({"prompt": [[5]] * 100_000}, "n: 100000 prompts x n=1 are 100000 completions"),
+    ):
+        answer = _complete(url, **fields)
+        assert answer.status_code == 400 and _message(answer).startswith(problem), fields
+    within = _complete(url, n=4, prompt=[[5], [6]], max_tokens=6)
+    assert within.status_code == 200 and len(within.json()["choices"]) == 8
+
+
+def test_values_a_sampler_cannot_take_are_400_naming_the_field(serve, engine):
+    url = serve(rollout_app(engine, model_name="m"))
+    for fields, problem in (
+        ({"prompt": [5, 99]}, "prompt[0]: token id 99 is outside the model's vocabulary (0..98)"),
+        ({"prompt": [[5], [-1]]}, "prompt[1]: token id -1 is outside the model's vocabulary"),
+        ({"prompt": [5, True]}, "prompt: expected token ids or text"),
+        ({"prompt": ""}, "prompt[0]: empty"),
+        ({"top_p": 0}, "top_p: expected > 0 and <= 1, got 0"),
+        ({"top_p": -0.5}, "top_p: expected > 0 and <= 1, got -0.5"),
+        ({"top_p": 1.5}, "top_p: expected > 0 and <= 1, got 1.5"),
+        ({"temperature": "nan"}, "temperature: expected >= 0, got nan"),
+        ({"temperature": "inf"}, "temperature: expected >= 0, got inf"),
+        ({"temperature": -1}, "temperature: expected >= 0, got -1"),
+        ({"temperature": "hot"}, "temperature: expected a number, got 'hot'"),
+        ({"top_k": -2}, "top_k: expected >= -1, got -2"),
+        ({"seed": 2**70}, "seed: expected"),
+        ({"n": 2.5}, "n: expected a whole number, got 2.5"),
+        ({"n": True}, "n: expected a number, got 'True'"),
+        ({"max_tokens": 0}, "max_tokens: expected 1..4096, got 0"),
+    ):
+        answer = _complete(url, **fields)
+        assert answer.status_code == 400 and _message(answer).startswith(problem), fields
+    fine = _complete(url, prompt=[5, 98], temperature=1e-6, top_p=1, top_k=-1, seed=-1)
+    assert fine.status_code == 200
+    greedy = _complete(url, prompt=[5, 98], temperature=0)
+    assert fine.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]

@@ -33,6 +33,11 @@ BAD_OPTIONS = [
     (["rollout", "--model", "m", "--max-seq-len", "1"], "--max-seq-len: expected >= 2, got 1"),
     (["rollout", "--model", "m", "--spec-tokens", "0"], "--spec-tokens: expected >= 1, got 0"),
     (["rollout", "--model", "m", "--exit-after", "-1"], "--exit-after: expected >= 0, got -1"),
+    (["rollout", "--model", "m", "--max-tokens", "0"], "--max-tokens: expected >= 1, got 0"),
+    (
+        ["rollout", "--model", "m", "--max-sequences", "-1"],
+        "--max-sequences: expected >= 1, got -1",
+    ),
     (
         ["rollout", "--model", "m", "--max-connections", "-3"],
         "--max-connections: expected >= 1, got -3",
