@@ -3,13 +3,16 @@
 Each item's text is its ``prompt`` (or ``extra_info["prompt"]``) followed by its
 ``response``, the one field an item must have (no ``ground_truth``); the score is the
 model's single logit (``num_labels == 1``, the usual reward model), or for a classifier the
-probability of its last label. Dynamic batching: items of all concurrent requests go to one
+probability of its last label. A checkpoint without the weights of every layer (a causal-LM
+checkpoint has no reward head, which transformers would start at random) is refused at start
+with one line saying what it lacks. Dynamic batching: items of all concurrent requests go to one
 queue; a batcher thread takes up to ``max_batch`` of them, waiting at most ``max_wait_ms``
 for more once the first arrives, runs one forward pass, and hands each request its scores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -50,12 +53,16 @@ class RewardModelScorer:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(model_path)
+            with _quiet_loading():
+                self.model, loaded = AutoModelForSequenceClassification.from_pretrained(
+                    model_path, output_loading_info=True
+                )
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 f"cannot load a sequence-classification model from {model_path}: "
                 f"{' '.join(str(exc).split())[:300]}"
             ) from None
+        _check_complete(model_path, self.model, loaded["missing_keys"])
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.truncation_side = "left"
@@ -127,6 +134,40 @@ class RewardModelScorer:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+def _check_complete(model_path: str, model, missing) -> None:
+    """Raises ``ConfigError`` when the checkpoint lacks weights the model needs (a causal-LM
+    checkpoint has no reward head): transformers would start them at random, and the service
+    would answer random scores."""
+    from honing.errors import ConfigError
+
+    if not missing:
+        return
+    architectures = ", ".join(model.config.architectures or []) or "another kind of model"
+    raise ConfigError(
+        f"--model: {model_path} has no weights for {', '.join(sorted(missing)[:3])} (the "
+        f"reward head would start at random): it was saved as {architectures}. Serve a "
+        "sequence-classification reward model (saved from AutoModelForSequenceClassification "
+        "with num_labels=1)"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' load report and progress bar off: a missing weight is reported by
+    ``_check_complete`` in one line."""
+    from transformers.utils import logging
+
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
 
 
 def reward_model_app(

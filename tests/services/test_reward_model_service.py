@@ -82,3 +82,30 @@ def test_items_need_a_response_but_no_ground_truth(serve, reward_model_dir):
     assert (
         missing.json()["error"] == "items[0].response: missing or null (every item needs response)"
     )
+
+
+def test_a_checkpoint_without_a_reward_head_is_refused(micro_model_dir):
+    """A causal-LM checkpoint has no score head: transformers would start it at random."""
+    from honing.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        RewardModelScorer(str(micro_model_dir), device="cpu")
+    assert str(refused.value) == (
+        f"--model: {micro_model_dir} has no weights for score.weight (the reward head would "
+        "start at random): it was saved as LlamaForCausalLM. Serve a sequence-classification "
+        "reward model (saved from AutoModelForSequenceClassification with num_labels=1)"
+    )
+
+
+def test_serving_it_is_one_line_and_status_2(micro_model_dir, monkeypatch, capfd):
+    from honing.cli import main
+    from honing.services import server
+
+    def serve(*args):
+        raise AssertionError("served a reward model whose head is random")
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert main(["serve", "reward-model", "--model", str(micro_model_dir), "--port", "0"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"honing: error: --model: {micro_model_dir} has no weights for ")
+    assert err.count("\n") == 1
