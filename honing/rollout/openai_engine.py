@@ -7,6 +7,10 @@ over the endpoints round-robin, several at once. Every choice must give its toke
 ``return_tokens_as_token_ids``) and the sampling logprob of each token
 (``logprobs.token_logprobs``); the engine asks for both.
 
+Start-up: the engine is made only once every endpoint answers, takes the token, serves the
+policy and tokenizes as its tokenizer does, and a ``weight_dir`` is writable
+(``honing.rollout.openai_checks``); otherwise a ``UserError`` says what to fix.
+
 Failures: a request that fails (connection refused or reset, timeout, HTTP 5xx or 429) is
 retried on another endpoint, up to ``retries`` times; the failing endpoint is set aside for
 ``cooldown_s`` and comes back after a successful ``GET /health``. The samples of a failed
@@ -46,6 +50,7 @@ from honing.rollout.base import (
     WeightPieces,
     weight_items,
 )
+from honing.rollout.openai_checks import check_servers, check_weight_dir
 from honing.rollout.routed_experts import (
     RoutingShape,
     routed_experts,
@@ -124,7 +129,16 @@ class OpenAIEngine(RolloutEngine):
         self._sync_lock = threading.Lock()  # one weight upload at a time
         # The newest weights sent: (version, "tensors", body) or (version, "disk", path).
         self._latest: tuple[int, str, object] | None = None
-        self.model = model or self._served_model()
+        if weight_sync == "disk":
+            check_weight_dir(weight_dir)
+        self.model = check_servers(
+            self.client,
+            [e.url for e in self.endpoints],
+            tokenizer,
+            model=model,
+            model_dir=model_dir,
+            token=token,
+        )
         self.spec_metrics = spec_metrics  # read the servers' speculative-decoding counters
         self._spec_seen: dict[str, dict[str, float]] = {}  # endpoint -> counters last read
         self.routing = routing
@@ -363,19 +377,6 @@ class OpenAIEngine(RolloutEngine):
         self.client.close()
 
     # -- endpoints ------------------------------------------------------------------------
-
-    def _served_model(self) -> str:
-        for endpoint in self.endpoints:
-            try:
-                data = self._get(endpoint, "/v1/models").get("data") or []
-            except (_Retryable, EngineRequestError):
-                continue
-            if data:
-                return str(data[0]["id"])
-        raise EngineUnavailable(
-            "no rollout endpoint answered GET /v1/models: "
-            + "; ".join(f"{e.url} ({e.last_error or 'no models'})" for e in self.endpoints)
-        )
 
     def _pick(self) -> _Endpoint:
         """The next endpoint in turn that is not set aside and has the newest weights; one set
