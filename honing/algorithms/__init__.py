@@ -4,13 +4,17 @@ Imports only torch. Advantage estimators, policy losses, loss aggregations and K
 are chosen by name from registries, so adding an algorithm is one function and one name.
 """
 
-from honing.algorithms.advantages import (
+from honing.algorithms.advantage_registry import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageSettings,
+    get_advantage,
+    register_advantage,
+)
+from honing.algorithms.advantages import (
     dr_grpo,
     gae,
-    get_advantage,
     grpo,
-    register_advantage,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
@@ -36,6 +40,8 @@ from honing.algorithms.policy_losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "AdvantageSettings",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",

@@ -1,18 +1,19 @@
-"""Advantage estimators, registered by name.
+"""Advantage estimators, registered by name with the settings and inputs each takes.
 
-An estimator turns one score per sample into per-token advantages and returns. Every
-estimator has the same call convention, so the trainer picks one by the config name
-(``algorithm.advantage``) and never branches on it::
+An estimator turns one score per sample into per-token advantages and returns:
+``(scores [N], response_mask [N, T], group_ids [N], *, ...) -> (advantages, returns)``, both
+``[N, T]`` and zero on padding; samples drawn from the same prompt share a group id. Its
+keyword arguments are its settings (``gamma``, ``lam``, ``norm_adv_by_std``) and the
+per-batch tensors it needs beyond the scores (``token_rewards``, ``values``,
+``baseline_scores``, default ``None``: one it needs and does not get raises
+``ValueError``), each named in its ``@register_advantage`` line; the trainer calls every one
+the same way through ``get_advantage`` (``advantage_registry.py``). Every estimator treats
+its inputs as constants (nothing it returns carries a gradient).
 
-    advantages, returns = get_advantage(name)(scores, response_mask, group_ids, **options)
-
-where ``scores`` is ``[N]``, ``response_mask`` is ``[N, T]``, ``group_ids`` is ``[N]``
-(samples drawn from the same prompt share an id) and ``options`` are the estimator's own
-keyword-only settings. Inputs that only some estimators need (``values``, ``token_rewards``,
-``baseline_scores``) arrive as such options, default ``None``; an estimator that needs one and
-does not get it raises ``ValueError``. Every estimator treats its inputs as constants (nothing
-it returns carries a gradient). To add one, write such a function and decorate it with
-``@register_advantage("name")``.
+With the KL to the reference in the reward (``algorithm.kl_in_reward``), ``token_rewards``
+holds ``-beta * KL_t`` on every token plus the score on the last: ``reinforce_plus_plus``,
+``remax`` and ``gae`` take each token's reward-to-go from them; the group estimators compare
+whole samples, and their ``scores`` are the token rewards' sums.
 """
 
 from __future__ import annotations
@@ -22,42 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from honing.algorithms.advantage_registry import register_advantage
 from honing.algorithms.core import masked_whiten
-
-AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator that adds an estimator to ``ADVANTAGE_ESTIMATORS`` under ``name``.
-
-    Raises:
-        ValueError: If ``name`` is already taken.
-    """
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_advantage(name: str) -> AdvantageEstimator:
-    """Returns the estimator registered under ``name``.
-
-    Raises:
-        ValueError: If no estimator has that name; the message lists the known ones.
-    """
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        choices = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; choose one of: {choices}"
-        ) from None
 
 
 def _check_batch(scores: Tensor, response_mask: Tensor, group_ids: Tensor) -> None:
@@ -122,14 +89,14 @@ def _whiten_tokens(values: Tensor, response_mask: Tensor) -> Tensor:
     return torch.where(response_mask.bool(), masked_whiten(values, response_mask), 0.0)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", settings=("norm_adv_by_std",))
 def grpo(
     scores: Tensor,
     response_mask: Tensor,
     group_ids: Tensor,
     *,
     epsilon: float = 1e-6,
-    norm_by_std: bool = True,
+    norm_adv_by_std: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Group-relative advantages (GRPO, outcome supervision).
 
@@ -148,7 +115,7 @@ def grpo(
         response_mask: ``[N, T]`` 1 on response tokens, 0 on padding.
         group_ids: ``[N]`` long; samples of the same prompt share an id.
         epsilon: Added to the std so all-equal groups give 0, not ``nan``.
-        norm_by_std: If False, return ``r_i - mean`` without dividing by the std
+        norm_adv_by_std: If False, return ``r_i - mean`` without dividing by the std
             (Dr. GRPO's fix for the std's difficulty bias, https://arxiv.org/abs/2503.20783).
 
     Returns:
@@ -160,7 +127,7 @@ def grpo(
     group_sum = _per_group_sum(group_ids)
     group_size = group_sum(torch.ones_like(scores))  # [N]
     centered = scores - group_sum(scores) / group_size  # [N]
-    if norm_by_std:
+    if norm_adv_by_std:
         group_std = torch.sqrt(group_sum(centered**2) / (group_size - 1).clamp_min(1))  # [N]
         group_std = torch.where(group_size > 1, group_std, torch.ones_like(group_std))
         centered = centered / (group_std + epsilon)  # [N]
@@ -177,7 +144,7 @@ def dr_grpo(scores: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[T
     other fix, for the length bias, is not part of the advantage: it is the loss aggregation
     ``seq_mean_token_sum_norm`` (token losses summed, divided by the constant
     ``num_seqs * loss_scale_len``), chosen with ``algorithm.loss_agg``. Same values as
-    ``grpo(..., norm_by_std=False)``; a group of one gets 0.
+    ``grpo(..., norm_adv_by_std=False)``; a group of one gets 0.
 
     Args:
         scores: ``[N]`` one score per sample.
@@ -187,7 +154,7 @@ def dr_grpo(scores: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[T
     Returns:
         ``(advantages, returns)``, both ``[N, T]``, equal, zero on padding.
     """
-    return grpo(scores, response_mask, group_ids, norm_by_std=False)
+    return grpo(scores, response_mask, group_ids, norm_adv_by_std=False)
 
 
 @register_advantage("rloo")
@@ -237,7 +204,7 @@ def reinforce_plus_plus_baseline(
     Returns:
         ``(advantages, returns)``, both ``[N, T]``, equal, zero on padding.
     """
-    centered, _ = grpo(scores, response_mask, group_ids, norm_by_std=False)  # [N, T]
+    centered, _ = grpo(scores, response_mask, group_ids, norm_adv_by_std=False)  # [N, T]
     advantages = _whiten_tokens(centered, response_mask)  # [N, T]
     return advantages, advantages.clone()
 
@@ -253,7 +220,7 @@ def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return torch.where(mask, returns, 0.0)
 
 
-@register_advantage("reinforce_plus_plus")
+@register_advantage("reinforce_plus_plus", settings=("gamma",), inputs=("token_rewards",))
 def reinforce_plus_plus(
     scores: Tensor,
     response_mask: Tensor,
@@ -288,30 +255,37 @@ def reinforce_plus_plus(
     return _whiten_tokens(returns, response_mask), returns
 
 
-@register_advantage("remax")
+@register_advantage("remax", inputs=("token_rewards", "baseline_scores"))
 def remax(
     scores: Tensor,
     response_mask: Tensor,
     group_ids: Tensor,
     *,
+    token_rewards: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """ReMax: the greedy response's score as the baseline, ``A_i = r_i - r_greedy(prompt_i)``.
+    """ReMax: the greedy response's score as the baseline, ``A_t = G_t - r_greedy(prompt)``.
 
     ReMax: https://arxiv.org/abs/2310.10505 . The caller generates one greedy
     (temperature 0) response per prompt, scores it, and passes that score for each sample
-    of the prompt. The advantage is given to every response token.
+    of the prompt. ``G_t = sum_{k >= t} r_k`` is the token's undiscounted reward-to-go: with
+    the score alone on the last token it is the score on every token, so ``A = r_i -
+    r_greedy``; with a KL penalty in the token rewards each token carries the KL still to come,
+    not the whole response's (both unbiased, the reward-to-go with less variance), as verl's
+    ``compute_remax_outcome_advantage``.
 
     Args:
-        scores: ``[N]`` one score per sample.
+        scores: ``[N]`` one score per sample; used only when ``token_rewards`` is None.
         response_mask: ``[N, T]`` 1 on response tokens, 0 on padding.
         group_ids: ``[N]``; not used.
+        token_rewards: ``[N, T]`` per-token rewards. Default: each score on its row's last
+            response token. Values on padding are ignored.
         baseline_scores: ``[N]`` required; the greedy response's score for the sample's
             prompt.
 
     Returns:
-        ``(advantages, returns)``, both ``[N, T]`` and zero on padding; the returns are the
-        scores (the undiscounted return of the outcome reward), as in verl.
+        ``(advantages, returns)``, both ``[N, T]`` and zero on padding; the returns are
+        ``G``, as in verl.
 
     Raises:
         ValueError: If ``baseline_scores`` is missing or not ``[N]``.
@@ -321,13 +295,14 @@ def remax(
         "remax", "baseline_scores", baseline_scores, "[N] score of the greedy response"
     )
     _check_shape("baseline_scores", baseline_scores, tuple(scores.shape))
-    scores = _as_float(scores)  # [N]
-    mask = response_mask.to(scores.dtype)  # [N, T]
-    advantages = (scores - baseline_scores.to(scores.dtype)).unsqueeze(-1) * mask  # [N, T]
-    return advantages, scores.unsqueeze(-1) * mask
+    mask = response_mask.bool()  # [N, T]
+    rewards = torch.where(mask, _token_rewards(scores, response_mask, token_rewards), 0.0)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [N, T] sum over k >= t
+    baseline = baseline_scores.to(returns.dtype).unsqueeze(-1)  # [N, 1]
+    return torch.where(mask, returns - baseline, 0.0), torch.where(mask, returns, 0.0)
 
 
-@register_advantage("gae")
+@register_advantage("gae", settings=("gamma", "lam"), inputs=("values", "token_rewards"))
 def gae(
     scores: Tensor,
     response_mask: Tensor,

@@ -144,7 +144,7 @@ class AlgorithmConfig:
     clip_ratio_low: float = _opt(0.2, ge=0.0, le=1.0)
     clip_ratio_high: float = _opt(0.2, ge=0.0)
     clip_ratio_c: float = _opt(0.0, ge=0.0)  # dual-clip bound for A < 0 (> 1), 0 = off
-    norm_adv_by_std: bool = _opt(True)
+    norm_adv_by_std: bool = _opt(True)  # divide by the group's std (grpo)
     gamma: float = _opt(1.0, ge=0.0, le=1.0)  # discount (reinforce_plus_plus; gae)
     lam: float = _opt(1.0, ge=0.0, le=1.0)  # GAE's lambda (gae)
     value_clip: float = _opt(0.2, gt=0.0)  # gae: how far a value may move from the old one

@@ -5,14 +5,13 @@ The stage between scoring and the update in docs/design.md's data flow. In order
 2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``) and the pre-update
    policy (when several optimizer steps follow, for TIS, or for a KL reward penalty);
 3. with ``kl_in_reward``, each token's reward is ``-beta * KL`` and the score sits on the last
-   token; outcome estimators see the summed token rewards as the score;
-4. advantages by the configured estimator;
+   token; the group estimators see the summed token rewards as the score;
+4. advantages by the configured estimator, with its settings passed explicitly;
 5. DAPO's masking of truncated answers, and TIS weights against the engine/trainer gap.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
+from honing.pipeline.rules import advantage_settings
 from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
 from honing.trainer.update import autocast
 from honing.types import Rollout
@@ -202,22 +202,14 @@ def make_experience(
 
 
 def _advantages(config, scores, token_rewards, batch, rollouts, values, baseline_scores):
-    estimator = get_advantage(config.algorithm.advantage)
-    accepted = inspect.signature(estimator).parameters
-    algo = config.algorithm
-    options = {
-        "norm_by_std": algo.norm_adv_by_std,
-        "token_rewards": token_rewards,
-        "gamma": algo.gamma,
-        "lam": algo.lam,
-        "values": values,
-        "baseline_scores": baseline_scores,
-    }
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
-    advantages, returns = estimator(
+    advantages, returns = get_advantage(config.algorithm.advantage)(
         scores,
         batch.response_mask,
         group_ids,
-        **{k: v for k, v in options.items() if k in accepted},
+        advantage_settings(config),
+        token_rewards=token_rewards,
+        values=values,
+        baseline_scores=baseline_scores,
     )
     return advantages, returns  # [N, R] each

@@ -10,7 +10,12 @@ policy the fast decode path cannot take) is checked when the model has loaded.
 
 from __future__ import annotations
 
-from honing.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from honing.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    AdvantageSettings,
+)
 from honing.config import Config
 from honing.errors import ConfigError
 from honing.pipeline.alerting import parse_rules
@@ -36,6 +41,7 @@ def _algorithm(config: Config) -> None:
             raise ConfigError(
                 f"{key}: {value!r} is not known; choose one of: {', '.join(sorted(registry))}"
             )
+    _advantage_settings_used(config)
     if 0 < algo.clip_ratio_c <= 1:
         raise ConfigError(
             "algorithm.clip_ratio_c: the dual-clip bound must be > 1 (e.g. 3), or 0 for off"
@@ -56,6 +62,26 @@ def _algorithm(config: Config) -> None:
         raise ConfigError(
             "rollout.group_size: grpo compares samples within a group; with group_size="
             f"{config.rollout.group_size} every advantage is 0. Use group_size >= 2"
+        )
+
+
+def advantage_settings(config: Config) -> AdvantageSettings:
+    """The advantage estimators' settings from ``config.algorithm``."""
+    algo = config.algorithm
+    return AdvantageSettings(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std)
+
+
+def _advantage_settings_used(config: Config) -> None:
+    """A setting changed from its default for an estimator that does not read it would have
+    no effect: refused, so that no value set is silently dropped."""
+    name = config.algorithm.advantage
+    if unused := ADVANTAGE_ESTIMATORS[name].unused(advantage_settings(config)):
+        key = unused[0]
+        value = getattr(config.algorithm, key)
+        users = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if key in e.settings)
+        raise ConfigError(
+            f"algorithm.{key}={str(value).lower()} has no effect with algorithm.advantage="
+            f"{name}; it applies to {', '.join(users)}. Remove it or choose one of those"
         )
 
 

@@ -1,20 +1,29 @@
-"""GRPO advantages and the estimator registry against hand-computed values."""
+"""The advantage estimators and their registry against hand-computed values."""
+
+import inspect
+from dataclasses import fields
 
 import pytest
 import torch
 
-from honing.algorithms.advantages import (
+from honing.algorithms.advantage_registry import (
     ADVANTAGE_ESTIMATORS,
+    INPUTS,
+    SETTINGS,
+    AdvantageSettings,
+    get_advantage,
+    register_advantage,
+)
+from honing.algorithms.advantages import (
     dr_grpo,
     gae,
-    get_advantage,
     grpo,
-    register_advantage,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
     rloo,
 )
+from honing.config import AlgorithmConfig
 
 # Group 0 = scores [1, 0, 0, 1]: mean 0.5, squared deviations 4 * 0.25 = 1,
 # unbiased std sqrt(1 / 3) = 0.577350, advantages +-0.5 / 0.577350 = +-0.866025.
@@ -42,7 +51,7 @@ def test_grpo_zeroes_padding():
 
 def test_grpo_without_std_normalisation():
     # Group 0: 1 - 0.5 = 0.5, 0 - 0.5 = -0.5; group 1: 0.
-    advantages, _ = grpo(SCORES, torch.ones(6, 1), GROUP_IDS, norm_by_std=False)
+    advantages, _ = grpo(SCORES, torch.ones(6, 1), GROUP_IDS, norm_adv_by_std=False)
     expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
     torch.testing.assert_close(advantages.squeeze(-1), expected)
 
@@ -51,7 +60,7 @@ def test_grpo_interleaved_and_non_contiguous_group_ids():
     # Group 7 = [2, 4]: mean 3 -> -1, +1. Group 3 = [5, 6]: mean 5.5 -> -0.5, +0.5.
     scores = torch.tensor([2.0, 5.0, 4.0, 6.0])
     group_ids = torch.tensor([7, 3, 7, 3])
-    advantages, _ = grpo(scores, torch.ones(4, 1), group_ids, norm_by_std=False)
+    advantages, _ = grpo(scores, torch.ones(4, 1), group_ids, norm_adv_by_std=False)
     torch.testing.assert_close(advantages.squeeze(-1), torch.tensor([-1.0, -0.5, 1.0, 0.5]))
 
 
@@ -95,8 +104,8 @@ def test_grpo_rejects_mismatched_batch():
 
 
 def test_registry_lookup():
-    assert get_advantage("grpo") is grpo
-    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo
+    assert get_advantage("grpo").fn is grpo
+    assert ADVANTAGE_ESTIMATORS["grpo"].fn is grpo
 
 
 def test_unknown_estimator_names_the_choices():
@@ -112,7 +121,7 @@ def test_register_new_estimator_and_reject_duplicates():
         return response_mask * 0.0, response_mask * 0.0
 
     try:
-        assert get_advantage("test_zero") is zero
+        assert get_advantage("test_zero").fn is zero
         with pytest.raises(ValueError, match="already registered"):
             register_advantage("grpo")(zero)
     finally:
@@ -238,6 +247,29 @@ def test_remax_subtracts_the_greedy_score():
     torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]))
 
 
+def test_remax_gives_each_token_its_reward_to_go():
+    # A KL penalty in the token rewards, baseline 0.5, 0.5, 0: A_t = sum_{k >= t} r_k - b.
+    # Row 0: -0.1, -0.2, 1 - 0.3 = 0.7 -> returns 0.4, 0.5, 0.7 -> A = -0.1, 0, 0.2.
+    # Row 1: -0.3, 1 - 0.1 = 0.9, then padding holding 99 -> returns 0.6, 0.9 -> A = 0.1, 0.4.
+    # Row 2 has a masked hole at t = 1 whose 7 is ignored: -0.2, _, -0.4 -> returns -0.6, -0.4.
+    # The whole response's sum on every token would give row 0 -0.1 everywhere instead.
+    token_rewards = torch.tensor([[-0.1, -0.2, 0.7], [-0.3, 0.9, 99.0], [-0.2, 7.0, -0.4]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
+    advantages, returns = remax(
+        torch.zeros(3),
+        mask,
+        torch.arange(3),
+        token_rewards=token_rewards,
+        baseline_scores=torch.tensor([0.5, 0.5, 0.0]),
+    )
+    torch.testing.assert_close(
+        returns, torch.tensor([[0.4, 0.5, 0.7], [0.6, 0.9, 0.0], [-0.6, 0.0, -0.4]])
+    )
+    torch.testing.assert_close(
+        advantages, torch.tensor([[-0.1, 0.0, 0.2], [0.1, 0.4, 0.0], [-0.6, 0.0, -0.4]])
+    )
+
+
 def test_remax_needs_baseline_scores_of_shape_n():
     with pytest.raises(ValueError, match="'remax' needs baseline_scores="):
         remax(torch.zeros(2), torch.ones(2, 1), torch.zeros(2, dtype=torch.long))
@@ -344,7 +376,60 @@ def test_every_estimator_is_finite_zero_on_padding_and_detached(name):
         assert (result[PADDED_MASK == 0] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
-def test_estimators_reject_options_they_do_not_take(name):
-    with pytest.raises(TypeError):
-        get_advantage(name)(SCORES, PADDED_MASK, GROUP_IDS, norm_by_std=False)
+# --- settings and inputs --------------------------------------------------------------------
+
+CHANGED = {"gamma": 0.5, "lam": 0.5, "norm_adv_by_std": False}  # each away from its default
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_declared_settings_and_inputs_are_the_functions_keyword_arguments(name):
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    keywords = {
+        p.name
+        for p in inspect.signature(estimator.fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    }
+    assert set(estimator.settings) == keywords & set(SETTINGS)
+    assert set(estimator.inputs) == keywords & set(INPUTS)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [(name, key) for name in sorted(ADVANTAGE_ESTIMATORS) for key in SETTINGS],
+)
+def test_a_setting_reaches_the_estimator_that_reads_it_and_is_refused_elsewhere(name, key):
+    torch.manual_seed(0)
+    options = REQUIRED_OPTIONS.get(name, lambda n, t: {})(6, 3)
+    options["token_rewards"] = torch.rand(6, 3)
+    estimator = get_advantage(name)
+    settings = AdvantageSettings(**{key: CHANGED[key]})
+    if key not in estimator.settings:
+        with pytest.raises(ValueError, match=f"{name!r} does not use {key}"):
+            estimator(SCORES, PADDED_MASK, GROUP_IDS, settings, **options)
+        return
+    changed, _ = estimator(SCORES, PADDED_MASK, GROUP_IDS, settings, **options)
+    default, _ = estimator(SCORES, PADDED_MASK, GROUP_IDS, **options)
+    assert not torch.allclose(changed, default)
+
+
+def test_settings_default_to_the_configs():
+    config = AlgorithmConfig()
+    assert {f.name: f.default for f in fields(AdvantageSettings)} == {
+        key: getattr(config, key) for key in SETTINGS
+    }
+
+
+def test_an_estimator_takes_only_the_inputs_it_declares():
+    # grpo is offered token rewards and ignores them (its scores are their sums).
+    advantages, _ = get_advantage("grpo")(
+        SCORES, PADDED_MASK, GROUP_IDS, token_rewards=torch.full((6, 3), 9.0)
+    )
+    torch.testing.assert_close(advantages, grpo(SCORES, PADDED_MASK, GROUP_IDS)[0])
+
+
+def test_registration_refuses_a_setting_or_input_there_is_not():
+    with pytest.raises(ValueError, match="unknown setting epsilon; the settings are gamma"):
+        register_advantage("test_bad", settings=("epsilon",))(grpo)
+    with pytest.raises(ValueError, match="unknown input rewards; the inputs are token_rewards"):
+        register_advantage("test_bad", inputs=("rewards",))(grpo)
+    assert "test_bad" not in ADVANTAGE_ESTIMATORS

@@ -6,16 +6,10 @@ import math
 import pytest
 import torch
 
+from honing.algorithms import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from honing.algorithms.core import masked_mean
 from honing.algorithms.losses import LOSS_AGGREGATIONS
-from honing.algorithms.policy_losses import (
-    POLICY_LOSSES,
-    cispo,
-    get_policy_loss,
-    gspo,
-    ppo_clip,
-    register_policy_loss,
-)
+from honing.algorithms.policy_losses import cispo, gspo, ppo_clip
 
 # --- PPO clip --------------------------------------------------------------------------------
 
