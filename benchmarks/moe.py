@@ -120,7 +120,8 @@ def paired(args) -> dict:
     from honing.rollout.base import GenerationRequest, SamplingParams
     from honing.rollout.transformers_engine import TransformersEngine
     from honing.trainer.batch import RouterTap, collate, response_logprobs
-    from honing.trainer.engine import OneProcess, TrainedModule
+    from honing.trainer.engine import TrainedModule
+    from honing.trainer.layouts import OneProcess
     from honing.trainer.update import UpdateSettings, update_policy
 
     torch.manual_seed(0)

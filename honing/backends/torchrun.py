@@ -184,7 +184,7 @@ class Leader:
 
     def __init__(self, group, parts: Components, config: Config):
         self.group, self.parts, self.config = group, parts, config
-        sharded = parts.trainers.policy.layout.collective
+        sharded = parts.trainers.policy.is_sharded
         self.shared = SHARDED_OPS if sharded else REPLICATED_OPS
         self.send_state = not sharded  # replicas built from model.path: rank 0's state first
         self.busy = False  # inside collectives the others run too (an update, a generation)

@@ -37,7 +37,7 @@ def write_policy(parts: Components, directory: Path, writer: bool) -> None:
     """The policy in Hugging Face format; a sharded one gathered a tensor at a time, every
     rank taking part and ``writer`` (rank 0) writing."""
     policy = parts.trainers.policy
-    if not policy.layout.collective:
+    if not policy.is_sharded:
         if writer:
             save_model(parts.policy, parts.tokenizer, directory)
         return
@@ -46,15 +46,17 @@ def write_policy(parts: Components, directory: Path, writer: bool) -> None:
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        adapters = (item for item in module.state_dict().items() if "lora_" in item[0])
-        whole = {name: t.detach().cpu() for name, t in policy.layout.gathered(adapters)}
+        def adapters(module):
+            return (item for item in module.state_dict().items() if "lora_" in item[0])
+
+        whole = {name: t.detach().cpu() for name, t in policy.whole_tensors(adapters)}
         if writer:
             state = get_peft_model_state_dict(module, state_dict=whole)
             save_file(state, str(directory / "adapter_model.safetensors"), {"format": "pt"})
             module.peft_config["default"].save_pretrained(directory)
             parts.tokenizer.save_pretrained(directory)
         return
-    write_weight_files(policy.layout.gathered(module.state_dict().items()), directory, writer)
+    write_weight_files(policy.whole_tensors(), directory, writer)
     if writer:
         from honing.rollout.fast_decode import unwrap
 
@@ -119,7 +121,7 @@ def load_policy(parts: Components, checkpoint: Path) -> None:
     sharded (then on every rank)."""
     from safetensors.torch import load_file
 
-    if parts.trainers.policy.layout.collective:
+    if parts.trainers.policy.is_sharded:
         return load_sharded_policy(parts, checkpoint)
     if is_lora(parts.policy):
         return _load_adapter(parts, checkpoint)
@@ -193,7 +195,7 @@ def load_sharded_policy(parts: Components, checkpoint: Path) -> None:
             loaded.append(name)
             yield name, tensor
 
-    unknown = policy.layout.load_whole(module, counted())
+    unknown = policy.load_tensors(counted())
     tied = getattr(module.config, "tie_word_embeddings", False)
     missing = [k for k in own - set(loaded) if not (tied and k.endswith("lm_head.weight"))]
     if unknown or missing or not loaded:
@@ -217,20 +219,18 @@ def engine_states(parts: Components, config: Config) -> dict[str, dict]:
 
 def write_trainer_state(parts: Components, config: Config, directory: Path, writer: bool):
     """The engines' state: whole in ``trainer_state.pt``, or each rank's shards in
-    ``trainer/`` (collective) with the schedules in ``trainer_state.pt``."""
-    import torch.distributed.checkpoint as dcp
-
-    layout = parts.trainers.policy.layout
+    ``trainer/`` (sharded) with the schedules in ``trainer_state.pt``."""
+    policy = parts.trainers.policy
     states = engine_states(parts, config)
     rng = {"rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_rng"] = torch.cuda.get_rng_state_all()
-    if not layout.collective:
+    if not policy.is_sharded:
         if writer:
             torch.save({"trainers": states, **rng}, directory / TRAINER_STATE)
         return
     schedules = {role: s.pop("scheduler") for role, s in states.items() if "scheduler" in s}
-    dcp.save(states, checkpoint_id=str(directory / SHARDS), process_group=layout.group)
+    policy.save_shards(states, directory / SHARDS)
     if writer:
         kept = {role: sorted(state) for role, state in states.items()}
         torch.save({"schedules": schedules, "sharded": kept, **rng}, directory / TRAINER_STATE)
@@ -240,11 +240,7 @@ def load_engine_states(parts: Components, checkpoint: Path, state: dict) -> dict
     """The engines' state as ``state`` (``trainer_state.pt``) and the checkpoint's shards
     hold it, by role, shaped for this run's layout (read at any world size)."""
     if "sharded" not in state:
-        return trainer_states(state)
-    import torch.distributed.checkpoint as dcp
-
-    policy = parts.trainers.policy
-    layout = policy.layout
+        return state["trainers"]
     kept = state["sharded"]
     template = {}
     for engine in parts.trainers.all():
@@ -255,27 +251,7 @@ def load_engine_states(parts: Components, checkpoint: Path, state: dict) -> dict
             module="module" in fields, optimizer="optimizer" in fields, template=True
         )
         template[engine.role] = {key: full[key] for key in fields}
-    if layout.collective:
-        dcp.load(template, checkpoint_id=str(checkpoint / SHARDS), process_group=layout.group)
-    else:
-        dcp.load(template, checkpoint_id=str(checkpoint / SHARDS), no_dist=True)
+    parts.trainers.policy.load_shards(template, checkpoint / SHARDS)
     for role, schedule in state["schedules"].items():
         template.setdefault(role, {})["scheduler"] = schedule
     return template
-
-
-def trainer_states(state: dict) -> dict[str, dict]:
-    """The trainer engines' states by role from a ``trainer_state.pt`` of whole modules,
-    also from one written before the states were kept by role (``scheduler``,
-    ``optimizer``, ``critic``, ``critic_optimizer`` and ``mtp`` at the top)."""
-    if "trainers" in state:
-        return state["trainers"]
-    policy = {"scheduler": state["scheduler"]}
-    if "optimizer" in state:
-        policy["optimizer"] = state["optimizer"]
-    states = {"policy": policy}
-    if "critic" in state:
-        states["critic"] = {"module": state["critic"], "optimizer": state["critic_optimizer"]}
-    if "mtp" in state:
-        states["mtp"] = {"module": state["mtp"][0], "optimizer": state["mtp"][1]}
-    return states

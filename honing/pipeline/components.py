@@ -7,7 +7,6 @@ This is the one place that reads the config tree and hands plain values to the l
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +39,10 @@ from honing.rewards import Scorer
 from honing.rollout.base import RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
-from honing.trainer.engine import OneProcess, Replicated, TrainedModule, TrainerEngine
+from honing.trainer.engine import TrainedModule, TrainerEngine, make_layout
+from honing.trainer.layouts import Layout
 from honing.trainer.optim import build_optimizer
 from honing.trainer.packed import packed_supported
-from honing.trainer.sharded import Sharded
 from honing.trainer.update import UpdateSettings
 from honing.types import Prompt
 
@@ -187,14 +186,14 @@ def build_components(config: Config, log=print, group=None) -> Components:
             check_mergeable(policy)  # engines in other processes get the adapters merged
     layout = trainer_layout(config, group, log)
     # A sharded policy cannot sample on one rank alone: generation gets a whole copy of its
-    # own, which takes the weights after each update, gathered a tensor at a time.
-    sampler = copy.deepcopy(policy).eval().requires_grad_(False) if layout.collective else policy
-    policy = layout.prepare(policy)
+    # own (the engine's generation_module), which takes the weights after each update.
+    policy_engine = policy_trainer(config, policy, layout)
+    policy, sampler = policy_engine.module, policy_engine.generation_module
     if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
-        reference = layout.prepare(frozen_model(model_path, tokenizer, config, device))
+        reference = policy_engine.lay_out_alike(frozen_model(model_path, tokenizer, config, device))
     rendered, prompt_ids = tokenize_prompts(
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
@@ -207,7 +206,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     trainers = Trainers(
-        policy=policy_trainer(config, policy, layout),
+        policy=policy_engine,
         critic=critic_trainer(config, model_path, tokenizer, device, layout),
         mtp=mtp_trainer(config, local),
     )
@@ -247,39 +246,39 @@ def trainer_layout(config: Config, group, log=print):
         config.model.device
     ).type != "cuda":
         log("memory.param_offload / optimizer_offload: no CUDA device, nothing to offload")
-    if group is None:
-        if t.strategy == "fsdp":
-            log("trainer.strategy=fsdp: one process (not launched by torchrun): trains whole")
-        return OneProcess()
-    if t.strategy == "fsdp":
-        return Sharded(
-            group,
-            reshard_after_forward=t.fsdp_reshard_after_forward,
-            param_dtype=t.fsdp_param_dtype,
-            param_offload=memory.param_offload,
-        )
-    return Replicated(group)
-
-
-def policy_trainer(config: Config, policy, layout) -> TrainedModule:
-    """The policy's AdamW (over its trainable parameters) and learning-rate schedule."""
-    t = config.trainer
-    optimizer, scheduler = build_optimizer(
-        policy,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=t.betas,
-        warmup_steps=t.warmup_steps,
-        total_steps=t.total_steps,
-        schedule=t.lr_schedule,
-        min_ratio=t.min_lr_ratio,
+    if group is None and t.strategy == "fsdp":
+        log("trainer.strategy=fsdp: one process (not launched by torchrun): trains whole")
+    return make_layout(
+        t.strategy,
+        group,
+        reshard_after_forward=t.fsdp_reshard_after_forward,
+        param_dtype=t.fsdp_param_dtype,
+        param_offload=memory.param_offload,
     )
-    return TrainedModule(
+
+
+def policy_trainer(config: Config, policy, layout: Layout) -> TrainedModule:
+    """The policy laid out by ``layout``, with its AdamW (over its trainable parameters) and
+    learning-rate schedule."""
+    t = config.trainer
+
+    def optimizer(module):
+        return build_optimizer(
+            module,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            betas=t.betas,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.total_steps,
+            schedule=t.lr_schedule,
+            min_ratio=t.min_lr_ratio,
+        )
+
+    return TrainedModule.laid_out(
         "policy",
         policy,
+        layout,
         optimizer,
-        scheduler,
-        layout=layout,
         serves_generation=True,
         bucket_bytes=config.rollout.weight_bucket_mb << 20,
         optimizer_offload=config.memory.optimizer_offload,
@@ -298,15 +297,18 @@ def critic_trainer(config: Config, model_path: Path, tokenizer, device, layout):
     backbone = load_causal_lm(
         critic_dir, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
     )
-    critic = layout.prepare(ValueModel(backbone).to(device))
-    optimizer = torch.optim.AdamW(
-        critic.parameters(), lr=config.trainer.critic_lr, weight_decay=config.trainer.weight_decay
-    )
-    return TrainedModule(
+    t = config.trainer
+
+    def optimizer(module):
+        return torch.optim.AdamW(
+            module.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay
+        ), None
+
+    return TrainedModule.laid_out(
         "critic",
-        critic,
+        ValueModel(backbone).to(device),
+        layout,
         optimizer,
-        layout=layout,
         optimizer_offload=config.memory.optimizer_offload,
     )
 

@@ -25,6 +25,7 @@ from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
 from honing.pipeline.rules import advantage_settings
 from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
+from honing.trainer.engine import TrainerEngine
 from honing.trainer.update import autocast
 from honing.types import Rollout
 
@@ -92,35 +93,35 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
         if wanted.reference:
             started = time.perf_counter()
             if parts.reference is not None:
-                out["ref"] = policy.layout.rowwise(logprobs_of(parts.reference), batch, width)
+                out["ref"] = policy.forward_rows(logprobs_of(parts.reference), batch, width)
             else:  # LoRA: the reference is the base model, the policy with adapters off
                 with policy.module.disable_adapter():
-                    out["ref"] = policy.layout.rowwise(logprobs_of(policy.module), batch, width)
+                    out["ref"] = policy.forward_rows(logprobs_of(policy.module), batch, width)
             out["metrics"]["timing_s/ref"] = time.perf_counter() - started
         critic = parts.trainers.critic
         if wanted.values:
-            out["values"] = critic.layout.rowwise(critic.module, batch, width)
+            out["values"] = critic.forward_rows(critic.module, batch, width)
         if wanted.old:
             started = time.perf_counter()
             tap = RouterTap(record=True) if wanted.record_routing else None
-            out["old"] = policy.layout.rowwise(logprobs_of(policy.module, tap), batch, width)
+            out["old"] = policy.forward_rows(logprobs_of(policy.module, tap), batch, width)
             if tap is not None:  # R2: the update passes replay what this pass chose
-                out["replay"] = _whole_plan(policy.layout, tap.recorded, batch)
+                out["replay"] = _whole_plan(policy, tap.recorded, batch)
             out["metrics"]["timing_s/old"] = time.perf_counter() - started
     return out
 
 
-def _whole_plan(layout, recorded: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+def _whole_plan(policy: TrainerEngine, recorded: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """The batch's [B, P + R, L, k] plan from a pass's record: the pass's own where it ran
     the whole batch; under a sharded layout each rank recorded its rows (trimmed to their
     longest response), gathered here as a rowwise result."""
-    if not layout.collective:
+    if not policy.is_sharded:
         return recorded
     columns, layers, top_k = batch.input_ids.shape[1], *recorded.shape[2:]
     shape = (len(recorded), columns, layers, top_k)
     mine = torch.full(shape, -1, dtype=torch.int32, device=recorded.device)
     mine[:, : recorded.shape[1]] = recorded.to(torch.int32)
-    whole = layout.rowwise(lambda rows: mine.flatten(1), batch, columns * layers * top_k)
+    whole = policy.forward_rows(lambda rows: mine.flatten(1), batch, columns * layers * top_k)
     return whole.view(len(batch), columns, layers, top_k).to(recorded.dtype)
 
 

@@ -304,11 +304,11 @@ class TrainLoop:
         """``dist/world_size``, ``dist/strategy`` (0: one process, 1: replicated ranks, 2:
         sharded) and ``memory/model_state_mb``: the parameters, gradients and optimizer
         state this process holds, what sharding divides."""
-        layout = self.parts.trainers.policy.layout
-        strategy = 2.0 if layout.collective else (1.0 if layout.world > 1 else 0.0)
+        policy = self.parts.trainers.policy
+        strategy = 2.0 if policy.is_sharded else (1.0 if policy.world_size > 1 else 0.0)
         held = sum(engine.state_bytes() for engine in self.parts.trainers.all())
         return {
-            "dist/world_size": float(layout.world),
+            "dist/world_size": float(policy.world_size),
             "dist/strategy": strategy,
             "memory/model_state_mb": held / 2**20,
         }

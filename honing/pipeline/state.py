@@ -137,7 +137,6 @@ def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
     """Names of the trained parameters holding a NaN or an infinity (``role:name``), and the
     number of parameters checked; one pass over the weights, a host sync per module. Under a
     sharded layout each rank checks its shards and the count is every rank's."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     bad, checked = [], 0
@@ -151,11 +150,9 @@ def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
         bad += [
             f"{engine.role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok
         ]
-    layout = parts.trainers.policy.layout
-    if layout.collective:  # every rank's shards: the count is all of theirs
-        count = torch.tensor([len(bad)])
-        dist.all_reduce(count, group=layout.group)
-        total = int(count.item())
+    policy = parts.trainers.policy
+    if policy.is_sharded:  # every rank's shards: the count is all of theirs
+        total = int(policy.reduce({"bad": torch.tensor(len(bad))})["bad"])
         bad = ((bad or ["a shard held by another rank"]) * total)[:total]
     return bad, checked
 

@@ -1,50 +1,69 @@
 """Trainer engines: one per trained module (the policy, the critic, the MTP heads).
 
 An engine owns its module, optimizer and learning-rate schedule, and is the only thing that
-knows how the module is laid out across processes. The update code asks it for what depends
-on that layout and nothing else:
+knows how the module is laid out across processes (its ``layouts.Layout``: whole in this
+process, replicated on every torchrun rank, or sharded over them). Everything else asks it
+for what depends on that layout:
 
-- ``rows(index, size)``: this process's micro-batches of a mini-batch's rows;
-- ``step(grad_clip)``: after the micro-batches' backward passes, the gradients reduced
-  across processes, clipped, and the optimizer step, skipped when their norm is not finite;
-- ``reduce(totals)``: metric sums over every process;
-- ``weights(...)``: the module's weights for the rollout engines, as buckets of (name,
-  tensor) pieces of bounded size, never one whole copy;
-- ``state()`` / ``load_state(state)``: what a checkpoint holds of it and putting it back;
+- the update: ``rows(index, size)`` (this process's micro-batches of a mini-batch's rows),
+  ``step(grad_clip)`` (gradients reduced across processes, clipped, the optimizer step,
+  skipped when their norm is not finite), ``reduce(totals)`` (metric sums over processes);
+- passes without gradient: ``forward_rows(compute, batch, width)`` (a pass over the batch's
+  rows as the layout runs it, every rank's rows gathered when sharded) and
+  ``lay_out_alike(module)`` (a frozen module, the reference, laid out the same way);
+- weights: ``weights(...)`` for the rollout engines, as buckets of (name, tensor) pieces of
+  bounded size, never one whole copy; ``whole_tensors(...)`` one at a time (a checkpoint's
+  Hugging Face files); ``load_tensors(pieces)``; ``generation_module``, what an in-process
+  rollout engine samples with (the module itself, or a whole copy when it is sharded);
+- checkpoints: ``state()`` / ``load_state(state)``, and ``save_shards`` / ``load_shards``
+  (the sharded part: torch.distributed.checkpoint over the engine's ranks);
 - ``offload(device)``: its idle state (optimizer, gradients, and weights generation does not
-  use) moved while it is idle;
+  use) moved while it is idle; ``state_bytes()``;
 - ``learning_rates()`` / ``set_learning_rates(rates)`` / ``advance_schedule()`` /
-  ``scale_lr(scale)``: the one place its learning rates are read and written.
+  ``scale_lr(scale)``: the one place its learning rates are read and written;
+- ``is_sharded`` (every pass runs on every rank together) and ``world_size``.
 
-``TrainedModule`` implements it for two layouts: ``OneProcess`` and ``Replicated`` (torchrun
-data parallelism: every rank holds the whole module and takes the same optimizer step on
-gradients summed over ranks). A sharded layout is a third. Forward passes (logprobs, values)
-call ``engine.module`` as the model it is.
+``TrainedModule`` implements it for every layout; ``TrainedModule.laid_out`` lays a module
+out before its optimizer is made, as sharding requires.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from honing.rollout.base import BUCKET_BYTES, buckets
-from honing.trainer.sharded import local_bytes
+from honing.trainer.layouts import Layout, OneProcess, Replicated
+from honing.trainer.sharded import Sharded, local_bytes
+
+# What a module is read as, for ``weights`` / ``whole_tensors``: its state, or other pieces
+# made from it (a LoRA policy's adapters merged into plain weights).
+Pieces = Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]]
 
 
 class TrainerEngine(Protocol):
-    """What the update, checkpointing, weight sync and offload ask of a trained module."""
+    """What the update, experience, checkpoints, weight sync and offload ask of a trained
+    module (the module docstring lists the groups)."""
 
     role: str  # policy | critic | mtp: the key of its state in a checkpoint
-    module: nn.Module
+    module: nn.Module  # forward passes call it as the model it is
+    generation_module: nn.Module  # what an in-process rollout engine samples with
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
-    def rows(self, index: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def is_sharded(self) -> bool: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]: ...
 
     def zero_grad(self) -> None: ...
 
@@ -52,15 +71,29 @@ class TrainerEngine(Protocol):
 
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
-    def weights(
-        self, pieces: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+    def forward_rows(self, compute: Callable, batch, width: int) -> torch.Tensor: ...
 
-    def state(self, module: bool = True, optimizer: bool = True) -> dict[str, Any]: ...
+    def lay_out_alike(self, module: nn.Module) -> nn.Module: ...
+
+    def whole_tensors(self, pieces: Pieces | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def weights(self, pieces: Pieces | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+    def load_tensors(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> list[str]: ...
+
+    def state(
+        self, module: bool = True, optimizer: bool = True, template: bool = False
+    ) -> dict[str, Any]: ...
 
     def load_state(self, state: dict[str, Any]) -> None: ...
 
+    def save_shards(self, states: dict[str, Any], directory: Path) -> None: ...
+
+    def load_shards(self, template: dict[str, Any], directory: Path) -> None: ...
+
     def offload(self, device: torch.device) -> int: ...
+
+    def state_bytes(self) -> int: ...
 
     def learning_rates(self) -> tuple[float, ...]: ...
 
@@ -72,6 +105,28 @@ class TrainerEngine(Protocol):
     def lr_scale(self) -> float: ...
 
     def scale_lr(self, scale: float) -> None: ...
+
+
+def make_layout(
+    strategy: str,
+    group,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: str = "float32",
+    param_offload: bool = False,
+) -> Layout:
+    """The layout of ``trainer.strategy`` (``replicate`` | ``fsdp``) over the torchrun
+    ``group``; whole in this process when there is no group."""
+    if group is None:
+        return OneProcess()
+    if strategy == "fsdp":
+        return Sharded(
+            group,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            param_offload=param_offload,
+        )
+    return Replicated(group)
 
 
 def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch.Tensor, bool]:
@@ -109,101 +164,10 @@ def move_optimizer_state(optimizer, device: torch.device) -> int:
     return moved
 
 
-def copy_whole(module: nn.Module, pieces) -> list[str]:
-    """Copies whole tensors into a whole module by name; returns the names it lacks."""
-    own, unknown = module.state_dict(), []
-    with torch.no_grad():
-        for name, whole in pieces:
-            if name in own:
-                own[name].copy_(whole)
-            else:
-                unknown.append(name)
-    return unknown
-
-
-class OneProcess:
-    """The layout of a module held whole by this one process."""
-
-    rank, world = 0, 1
-    collective = False  # its passes need no other process
-
-    def prepare(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-        return [(chunk, len(chunk)) for chunk in torch.split(index, size)]
-
-    def reduce_gradients(self, module: nn.Module) -> None:
-        return None
-
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return totals
-
-    def gathered(self, pieces):
-        return pieces  # whole already
-
-    def load_whole(self, module: nn.Module, pieces) -> list[str]:
-        return copy_whole(module, pieces)
-
-    def rowwise(self, compute, batch, width: int) -> torch.Tensor:
-        return compute(batch)
-
-
-class Replicated:
-    """The layout of torchrun data parallelism: the whole module on every rank of ``group``;
-    rank r runs rows r, r + W, ... of each mini-batch, and the summed gradients (one
-    all-reduce per optimizer step) give every rank the single-process step, so every rank
-    holds the same weights and optimizer state. Passes without gradients run on one rank
-    alone, as in one process."""
-
-    collective = False
-
-    def __init__(self, group):
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    def prepare(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def gathered(self, pieces):
-        return pieces  # whole already
-
-    def load_whole(self, module: nn.Module, pieces) -> list[str]:
-        return copy_whole(module, pieces)
-
-    def rowwise(self, compute, batch, width: int) -> torch.Tensor:
-        return compute(batch)  # this rank alone
-
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-        if len(index) < self.world:
-            raise ValueError(
-                f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
-                "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
-            )
-        return [(c, len(c)) for c in torch.split(index[self.rank :: self.world], size)]
-
-    def reduce_gradients(self, module: nn.Module) -> None:
-        """All-reduce (sum) every trainable parameter's gradient, as one flat buffer."""
-        params = [p for p in module.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-            param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
-
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = sorted(totals)
-        values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
-        dist.all_reduce(values, group=self.group)
-        return dict(zip(names, values, strict=True))
-
-
 class TrainedModule:
-    """A ``TrainerEngine``: ``module`` with its optimizer and schedule, laid out by
-    ``layout`` (``OneProcess()``, ``Replicated(group)`` or ``sharded.Sharded(group)``, which
-    has sharded the module before the optimizer was made). ``serves_generation``: the
-    rollout engines sample with the module itself (the policy, the MTP heads), so offloading
-    leaves its weights in place."""
+    """A ``TrainerEngine``: ``module`` (already laid out by ``layout``) with its optimizer
+    and schedule. ``serves_generation``: the rollout engines sample with the module itself
+    (the policy, the MTP heads), so offloading leaves its weights in place."""
 
     def __init__(
         self,
@@ -212,12 +176,13 @@ class TrainedModule:
         optimizer,
         scheduler=None,
         *,
-        layout=None,
+        layout: Layout | None = None,
         serves_generation: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
         optimizer_offload: bool = False,
     ):
         self.role, self.module = role, module
+        self.generation_module = module
         self.optimizer, self.scheduler = optimizer, scheduler
         self.layout = layout or OneProcess()
         self.serves_generation = serves_generation
@@ -226,6 +191,39 @@ class TrainedModule:
         # steps and visits the device for each one
         device = next(module.parameters()).device
         self.optimizer_offload = optimizer_offload and device.type == "cuda"
+
+    @classmethod
+    def laid_out(
+        cls,
+        role: str,
+        module: nn.Module,
+        layout: Layout,
+        make_optimizer: Callable[[nn.Module], tuple[Any, Any]],
+        **options,
+    ) -> TrainedModule:
+        """``module`` laid out by ``layout`` (sharded in place when it shards), then the
+        optimizer and schedule ``make_optimizer(module)`` makes for it. An engine that
+        ``serves_generation`` under a sharded layout keeps a whole copy, made first, for
+        in-process sampling (``generation_module``; it takes the weights after each update,
+        gathered a tensor at a time)."""
+        whole = None
+        if options.get("serves_generation") and layout.collective:
+            whole = copy.deepcopy(module).eval().requires_grad_(False)
+        module = layout.prepare(module)
+        engine = cls(role, module, *make_optimizer(module), layout=layout, **options)
+        if whole is not None:
+            engine.generation_module = whole
+        return engine
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether every pass of the module runs on every rank together, each with a shard."""
+        return self.layout.collective
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes sharing the module."""
+        return self.layout.world
 
     def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
         return self.layout.rows(index, size)
@@ -247,12 +245,50 @@ class TrainedModule:
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.layout.reduce(totals)
 
-    def weights(self, pieces=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The module's state in buckets, each tensor whole: its live tensors (the receiver
-        copies them), or what ``pieces(module)`` yields (e.g. LoRA adapters merged into
-        plain weights); a sharded module's gathered a tensor at a time."""
+    def forward_rows(self, compute: Callable, batch, width: int) -> torch.Tensor:
+        """``compute(rows)`` ([rows, <= width], no gradient) over ``batch`` as this module's
+        passes run: on the whole batch here, or each rank on its rows when sharded (every
+        rank takes part), gathered into the batch's [B, width] on every rank."""
+        return self.layout.rowwise(compute, batch, width)
+
+    def lay_out_alike(self, module: nn.Module) -> nn.Module:
+        """A frozen module (the reference) laid out as this one, so that its passes run
+        alongside this one's (``forward_rows``)."""
+        return self.layout.prepare(module)
+
+    def whole_tensors(self, pieces: Pieces | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's tensors, each whole, one at a time (a sharded module's gathered as
+        its turn comes, every rank taking part): its state, or what ``pieces(module)``
+        yields."""
         source = pieces(self.module) if pieces else self.module.state_dict().items()
-        return buckets(self.layout.gathered(source), self.bucket_bytes)
+        return self.layout.gathered(source)
+
+    def weights(self, pieces: Pieces | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``whole_tensors`` in buckets of at most ``bucket_bytes``, for the rollout engines
+        (they copy the live tensors they get)."""
+        return buckets(self.whole_tensors(pieces), self.bucket_bytes)
+
+    def load_tensors(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copies whole tensors into the module by name (this rank's shards of them when
+        sharded); returns the names it does not have."""
+        return self.layout.load_whole(self.module, pieces)
+
+    def save_shards(self, states: dict[str, Any], directory: Path) -> None:
+        """``states`` (this rank's shards) into ``directory``, every rank of the layout
+        writing its own (torch.distributed.checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(states, checkpoint_id=str(directory), process_group=self.layout.group)
+
+    def load_shards(self, template: dict[str, Any], directory: Path) -> None:
+        """Fills ``template`` (``state(template=True)``'s shape) from the shards in
+        ``directory``, written at any world size; in one process too."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.is_sharded:
+            dcp.load(template, checkpoint_id=str(directory), process_group=self.layout.group)
+        else:
+            dcp.load(template, checkpoint_id=str(directory), no_dist=True)
 
     def state(
         self, module: bool = True, optimizer: bool = True, template: bool = False
@@ -276,20 +312,18 @@ class TrainedModule:
     def load_state(self, state: dict[str, Any]) -> None:
         """Puts back what ``state`` holds (a checkpoint saved without the optimizer has
         none: Adam's moments then start again). Whole tensors load into a sharded module's
-        shards; an optimizer state by parameter index (older checkpoints) loads as it is."""
+        shards."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
 
         if "module" in state:
-            unknown = self.layout.load_whole(self.module, state["module"].items())
+            unknown = self.load_tensors(state["module"].items())
             if unknown:
                 raise ValueError(f"the {self.role}'s saved weights do not fit it: {unknown[:3]}")
         saved = state.get("optimizer")
-        if saved is not None and all(isinstance(k, int) for k in saved.get("state", {})):
-            self.optimizer.load_state_dict(saved)
-        elif saved is not None:
+        if saved is not None:
             whole = not any(isinstance(v, DTensor) for v in _tensors(saved))
             options = StateDictOptions(full_state_dict=whole and self.layout.collective)
             set_optimizer_state_dict(self.module, self.optimizer, saved, options=options)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from honing.errors import ConfigError
+from honing.trainer.layouts import Layout, sum_across
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +45,7 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     )
 
 
-class Sharded:
+class Sharded(Layout):
     """The layout of FSDP2 over the torchrun ``group`` (see the module)."""
 
     collective = True  # every pass of the module is run by every rank together
@@ -122,10 +123,7 @@ class Sharded:
         return None  # FSDP reduced them in the backward pass
 
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = sorted(totals)
-        values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
-        dist.all_reduce(values, group=self.group)
-        return dict(zip(names, values, strict=True))
+        return sum_across(totals, self.group)
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
         """Each piece whole, gathered from every rank as its turn comes (every rank takes

@@ -10,7 +10,8 @@ from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.fast_decode import FastDecoder
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.batch import RouterTap, collate, response_logprobs
-from honing.trainer.engine import OneProcess, TrainedModule
+from honing.trainer.engine import TrainedModule
+from honing.trainer.layouts import OneProcess
 from honing.trainer.update import UpdateSettings, update_policy
 from tests.models.moe_models import FAMILIES, moe_model
 from tests.trainer.test_packed import grpo_like_batch

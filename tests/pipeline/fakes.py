@@ -31,7 +31,7 @@ from honing.pipeline.components import (
 )
 from honing.pipeline.inputs import build_scorer, tokenize_prompts
 from honing.rollout.base import RolloutEngine, weight_items
-from honing.trainer.engine import OneProcess
+from honing.trainer.layouts import OneProcess
 from honing.types import Rollout
 
 CHARS = "0123456789+= "

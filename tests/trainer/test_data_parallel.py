@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.services.process import free_port
 from honing.trainer.batch import collate
-from honing.trainer.engine import OneProcess, Replicated, TrainedModule
+from honing.trainer.engine import TrainedModule
+from honing.trainer.layouts import OneProcess, Replicated
 from honing.trainer.update import UpdateSettings, update_policy
 
 from .test_update import PAD, make_rollouts
