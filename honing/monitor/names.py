@@ -128,6 +128,7 @@ KNOWN = frozenset(
         "val/score_errors",
         "val/score_retried",
         "val/generation_ranks",
+        "val/gen_timeouts",
     }
 )
 
@@ -140,6 +141,7 @@ PATTERNS = tuple(
         r"moe/layer\d+/(load_violation|router_entropy)",
         r"memory/peak_\w+_gb",
         r"ray/\w+_workers",
+        r"val/spec_\w+",  # speculation while validating
     )
 )
 

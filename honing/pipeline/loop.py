@@ -223,10 +223,12 @@ class TrainLoop:
             self.config.rollout.val_samples,
             on_event=lambda kind, **fields: self.logger.log_event(kind, step=step, **fields),
         )
-        ranks = parts.val_engine.take_report()[0].get("rollout/generation_ranks")
-        if ranks:  # validation spread over torchrun ranks
-            metrics["val/generation_ranks"] = ranks
-        return metrics
+        # What the engine saw while validating (speculation's acceptance and verdicts, which
+        # carry over to training; timeouts; torchrun ranks), under val/ names.
+        report, events = parts.val_engine.take_report()
+        for kind, fields in events:
+            self.logger.log_event(kind, step=step, during="validation", **fields)
+        return metrics | {f"val/{name.split('/', 1)[1]}": value for name, value in report.items()}
 
     def train_step(self, step: int) -> dict[str, float]:
         parts, cfg = self.parts, self.config
