@@ -33,10 +33,15 @@ samples are counted in ``samples/regenerated``. Events: ``rollout_worker_replace
 Placement: ``pipeline.placement=spread`` spreads the workers over the cluster's nodes (Ray's
 SPREAD strategy), ``pack`` lets Ray pack them. Every node must see ``model.path`` (a shared
 filesystem, or the same path on each node) and have honing installed.
+
+The local instance a run starts when ``pipeline.ray_address`` is empty is bound to loopback
+(``start_local``): nothing of it can be reached from the network. A cluster of several
+machines is started with ``ray start`` and joined at its address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -44,6 +49,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
+import ray._private.ray_constants as ray_constants
+from ray._common.network_utils import is_localhost, parse_address
+from ray._private.services import canonicalize_bootstrap_address_or_die, find_gcs_addresses
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from honing.backends.ray_pools import (
@@ -67,24 +75,74 @@ def connect(settings: PipelineConfig) -> bool:
     (a script or test that called ``ray.init``): that connection is used."""
     if ray.is_initialized():
         return False
-    address = settings.ray_address or None
-    kwargs = {"namespace": NAMESPACE, "log_to_driver": True}
-    if address is None:  # a local instance with room for every actor the run asks for
+    if not settings.ray_address:  # a local instance with room for every actor the run asks for
         wanted = (
             settings.trainer_cpus
             + settings.rollout_workers * settings.rollout_cpus
             + settings.reward_workers * settings.reward_cpus
         )
-        kwargs |= {"num_cpus": max(os.cpu_count() or 1, int(wanted + 0.999) + 1)}
-        kwargs |= {"include_dashboard": False}
+        start_local(max(os.cpu_count() or 1, int(wanted + 0.999) + 1))
+        return True
     try:
-        ray.init(address=address, **kwargs)
+        join(settings.ray_address, log_to_driver=True)
     except ConnectionError as err:
         raise ConfigError(
             f"pipeline.ray_address={settings.ray_address!r}: no Ray cluster answered ({err}); "
             "start one with `ray start --head` or leave the key empty for a local instance"
         ) from None
     return True
+
+
+# Ray takes a node's address to be 127.0.0.1 where clusters of several machines are off (its
+# default on macOS and Windows), read from this variable when ray is imported.
+_ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def on_loopback():
+    """Ray as it runs on one machine: a node started (or a driver joining) inside ``with`` has
+    127.0.0.1 for its address, so an instance started there listens on loopback alone (its
+    GCS, raylet, object manager and workers). Outside it Ray takes the machine's network
+    address, for 127.0.0.1 too, and binds its servers there. Ray reads this from a private
+    constant set from ``_ONE_MACHINE`` at import: both are set for the ``with`` (the variable
+    for the processes it starts). ``tests/pipeline/test_ray_backend.py`` reads the sockets
+    the instance listens on, should Ray change this."""
+    before = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_ONE_MACHINE)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_ONE_MACHINE] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before[0]
+        if before[1] is None:
+            os.environ.pop(_ONE_MACHINE, None)
+        else:
+            os.environ[_ONE_MACHINE] = before[1]
+
+
+def start_local(num_cpus: int, log_to_driver: bool = True) -> None:
+    """Starts a Ray instance of this machine alone, bound to loopback (``on_loopback``), with
+    ``num_cpus`` logical CPUs and no dashboard, and connects to it."""
+    with on_loopback():
+        ray.init(
+            namespace=NAMESPACE,
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+        )
+
+
+def join(address: str, log_to_driver: bool) -> None:
+    """Connects to the Ray cluster at ``address`` (``auto``: the one running here): one that
+    ``start_local`` started on this machine is joined on loopback, any other at its address.
+    Raises ``ConnectionError`` when none answers."""
+    with on_loopback():
+        found = canonicalize_bootstrap_address_or_die(address)
+    host = (parse_address(found) or ("",))[0]
+    find_gcs_addresses.cache_clear()  # Ray keeps what it found: the instances running now
+    here = is_localhost(host) and found in find_gcs_addresses()
+    with on_loopback() if here else contextlib.nullcontext():
+        ray.init(address=found, namespace=NAMESPACE, log_to_driver=log_to_driver)
 
 
 def run_id(run_dir: Path) -> str:
@@ -137,7 +195,7 @@ def scale(
     started = False
     if not ray.is_initialized():
         try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            join(address, log_to_driver=False)
         except ConnectionError as err:
             raise ConfigError(f"--address {address}: no Ray cluster answered ({err})") from None
         started = True

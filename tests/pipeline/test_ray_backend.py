@@ -4,6 +4,7 @@ counted, workers added and removed while a run trains, errors that come back as 
 
 import json
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")  # a dependency of ray
 
 from honing import cli  # noqa: E402
 from honing.backends import ray_pools, ray_run, ray_workers  # noqa: E402
@@ -21,6 +23,7 @@ from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline.weight_sync import send_weights  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
 from honing.rollout.transformers_engine import TransformersEngine  # noqa: E402
+from tests import warm  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402
 
@@ -29,14 +32,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray instance for this module, with logical room for every actor."""
+    """A local Ray instance for this module, started as a run starts one (on loopback), with
+    logical room for every actor."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(
-        num_cpus=8,
-        namespace=ray_pools.NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    ray_run.start_local(num_cpus=8, log_to_driver=False)
     yield
     ray.shutdown()
     for sig, handler in handlers.items():  # ray.init installs its own; later tests need these
@@ -361,6 +360,41 @@ def test_an_unplaceable_trainer_says_what_it_asked_for(
     )
     with pytest.raises(UserError, match="asks for 1 CPUs and 1 GPUs"):
         train(config, tmp_path / "nogpu")
+
+
+def _listening(process: psutil.Process) -> set[tuple[str, int]]:
+    try:
+        connections = process.net_connections(kind="inet")
+    except psutil.Error:  # ended meanwhile
+        return set()
+    return {(c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_local_instance_listens_on_loopback_alone(cluster):
+    """Every server of the instance a one-machine run starts (the GCS, the raylet, the workers
+    and agents they started) listens on 127.0.0.1, not on the machine's network interface;
+    Ray reports the GCS there."""
+    gcs = ray.get_runtime_context().gcs_address
+    assert gcs.startswith("127.0.0.1:"), gcs
+    nodes = [p for p in psutil.Process().children() if p.name() in ("gcs_server", "raylet")]
+    assert sorted(p.name() for p in nodes) == ["gcs_server", "raylet"]
+    listening = set()
+    for process in nodes + [child for node in nodes for child in node.children(recursive=True)]:
+        listening |= _listening(process)
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    assert int(gcs.rsplit(":", 1)[1]) in {port for _, port in listening}
+
+
+def test_honing_scale_joins_the_local_instance_on_loopback(cluster, tmp_path):
+    """``honing scale`` in a process of its own finds the run's cluster at 127.0.0.1 (Ray would
+    look for it at the machine's network address, where nothing listens)."""
+    address = ray.get_runtime_context().gcs_address
+    command = warm.honing("scale", tmp_path, "--rollout-workers", "2", "--address", address)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"honing: error: {tmp_path}: no run with pipeline.backend=ray is training" in (
+        result.stderr
+    )
 
 
 def test_scale_names_a_run_that_is_not_training(cluster, tmp_path, capsys):

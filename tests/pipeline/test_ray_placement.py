@@ -8,7 +8,7 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from honing.backends import ray_pools, ray_workers  # noqa: E402
+from honing.backends import ray_pools, ray_run, ray_workers  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402
 
@@ -18,12 +18,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_nodes():
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    cluster = cluster_utils.Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-    )
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, namespace=ray_pools.NAMESPACE, log_to_driver=False)
-    cluster.wait_for_nodes()
+    with ray_run.on_loopback():  # two nodes of this machine, reachable from it alone
+        cluster = cluster_utils.Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+        )
+        cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, namespace=ray_pools.NAMESPACE, log_to_driver=False)
+        cluster.wait_for_nodes()
+    assert cluster.address.startswith("127.0.0.1:")
     yield cluster
     ray.shutdown()
     cluster.shutdown()
