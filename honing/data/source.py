@@ -2,11 +2,12 @@
 
 Epoch ``e`` visits every prompt once, in an order shuffled by ``random.Random(f"{seed}:{e}")``
 (independent of any global random state). A batch that reaches the end of an epoch is
-filled from the start of the next one, so no prompt is dropped and every batch is full.
-A batch larger than the dataset is refused: it would hold some prompts twice (verl's
-loader, which drops an incomplete batch, has no batch at all then). The cursor (epoch,
-position) is all the state there is, so a source restored with ``load_state_dict`` yields
-exactly the batches the uninterrupted one would have.
+filled from the start of the next one, so no prompt is dropped and every batch is full
+(such a batch may meet a prompt of the old epoch again in the new one). A batch larger than
+the dataset is refused: every batch would hold prompts twice (verl's loader, which drops an
+incomplete batch, has no batch at all then). The cursor (epoch, position) is all the state
+there is, so a source restored with ``load_state_dict`` yields exactly the batches the
+uninterrupted one would have.
 """
 
 from __future__ import annotations
