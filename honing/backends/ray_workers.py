@@ -17,6 +17,7 @@ from honing.pipeline.inputs import build_scorer
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
+    Holding,
     RolloutEngine,
     SamplingParams,
     WeightPieces,
@@ -41,8 +42,7 @@ class RolloutWorker:
         device = resolve_device(config.model.device)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.model.trust_remote_code)
         model = frozen_model(Path(model_dir), tokenizer, config, device)
-        self.engine = local_engine(config, model, tokenizer, device)
-        self.engine.shares_policy = False
+        self.engine = local_engine(config, model, tokenizer, device)  # its own copy
 
     def ready(self) -> bool:
         return True
@@ -82,9 +82,8 @@ class RayRolloutEngine(_Pool, RolloutEngine):
         settings = config.pipeline
         resources = {"num_cpus": settings.rollout_cpus, "num_gpus": settings.rollout_gpus}
         super().__init__(config, control, rid, report, RolloutWorker, resources)
+        RolloutEngine.__init__(self, Holding.REMOTE)  # the workers' models, elsewhere
         self.model_dir, self.chunk = str(model_dir), settings.rollout_chunk
-        self.weight_version = 0
-        self.regenerated = 0
         self._latest = None  # (version, ObjectRef of the weights)
         self.reconcile(quiet=True)
 
@@ -94,6 +93,9 @@ class RayRolloutEngine(_Pool, RolloutEngine):
     def take_report(self) -> EngineReport:
         """The pools' gauges now and their events since the last call."""
         return self.report.drain()
+
+    def detached_copy(self) -> RayRolloutEngine:
+        return self  # the workers hold their own models
 
     def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
         """Puts the weights in Ray's object store a bucket at a time (a host copy of one

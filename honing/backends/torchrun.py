@@ -151,6 +151,8 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
         leave(group, wait=False)  # this rank failed; after a leave, nothing
         if parts is not None:
             close(parts)
+        if prepared is not None:  # rank 0 lets the run directory go
+            prepared.release()
 
 
 REPLICATED_OPS = frozenset({"update", "generate"})
@@ -199,7 +201,8 @@ class Leader:
         """With ``pipeline.spread_generation``, an in-process engine's calls dealt to every
         rank (``SpreadEngine``); not with MTP heads, which draft on rank 0 alone."""
         settings = self.config.pipeline
-        if settings.spread_generation and engine.in_process and self.parts.trainers.mtp is None:
+        in_process = engine.holds is not Holding.REMOTE
+        if settings.spread_generation and in_process and self.parts.trainers.mtp is None:
             return SpreadEngine(self, engine, settings.rollout_chunk)
         return engine
 
@@ -289,9 +292,10 @@ class SpreadEngine(RolloutEngine):
     them. Generation on another thread (``detached_copy``: the one_step and async schedules)
     stays on rank 0."""
 
-    in_process = True
-
     def __init__(self, leader: Leader, local: RolloutEngine, chunk: int):
+        # As rank 0's engine holds: a replicated policy shared (the others' copies follow the
+        # updates), or its own copy of a sharded one (every rank's takes the weights).
+        super().__init__(local.holds)
         self.leader, self.local, self.chunk = leader, local, chunk
         self._reports, self._ranks = [], 0  # since the last take_report
 

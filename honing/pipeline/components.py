@@ -36,7 +36,7 @@ from honing.pipeline.inputs import (
 )
 from honing.pipeline.rules import check_policy_routing, check_remote_routing
 from honing.rewards import Scorer
-from honing.rollout.base import RolloutEngine, SamplingParams
+from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.critic import ValueModel
 from honing.trainer.engine import TrainedModule, TrainerEngine, make_layout
@@ -198,8 +198,8 @@ def build_components(config: Config, log=print, group=None) -> Components:
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
     train, val, skipped = keep_tokenized(train, val, skipped, prompt_ids)
-    local = local_engine(config, sampler, tokenizer, device)
-    local.shares_policy = sampler is policy
+    holds = Holding.SHARED if sampler is policy else Holding.COPY
+    local = local_engine(config, sampler, tokenizer, device, holds)
     if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
@@ -323,15 +323,18 @@ def mtp_trainer(config: Config, local: TransformersEngine):
     return TrainedModule("mtp", heads, optimizer, serves_generation=True)
 
 
-def local_engine(config: Config, model, tokenizer, device: torch.device) -> TransformersEngine:
+def local_engine(
+    config: Config, model, tokenizer, device: torch.device, holds: Holding = Holding.COPY
+) -> TransformersEngine:
     """Honing's in-process engine on ``model`` with the config's rollout settings (batching,
-    fast decode, speculation, generation timeout): the run's, a Ray worker's, ``honing
-    eval``'s."""
+    fast decode, speculation, generation timeout): the run's (``holds``: ``SHARED`` when
+    ``model`` is the trained policy itself), a Ray worker's, ``honing eval``'s."""
     rollout = config.rollout
     return TransformersEngine(
         model,
         tokenizer,
         device=device,
+        holds=holds,
         generation_batch=rollout.generation_batch,
         fast_decode=rollout.fast_decode,
         speculation=speculation(config, tokenizer, device, model),

@@ -1,6 +1,6 @@
 """The policy's new weights to the rollout engines, after each update and after a load.
 
-Each engine gets them in the form it holds the model (``RolloutEngine.in_process``): an
+Each engine gets them in the form it holds the model (``RolloutEngine.holds``): an
 in-process copy of the policy module takes the module's own tensors (a LoRA wrapper's
 included; the MTP heads it shares need nothing); an engine in other processes (Ray workers,
 inference servers) holds the plain model and takes a LoRA policy's adapters merged into the
@@ -18,14 +18,14 @@ import torch
 
 from honing.models.loading import plain_weight_items
 from honing.pipeline.components import Components
-from honing.rollout.base import RolloutEngine
+from honing.rollout.base import Holding, RolloutEngine
 from honing.rollout.mtp import MTP_PREFIX
 
 
 def rollout_weights(parts: Components, engine: RolloutEngine) -> Iterator[tuple[str, torch.Tensor]]:
     """The pieces ``engine`` loads to sample with the policy's current weights."""
     trainers = parts.trainers
-    if engine.in_process:
+    if engine.holds is not Holding.REMOTE:
         for bucket in trainers.policy.weights():
             yield from bucket
         return
@@ -51,9 +51,9 @@ def send_weights(parts: Components, version: int, remote: bool = True) -> int:
             yield name, tensor
 
     for engine in dict.fromkeys([parts.val_engine, parts.engine]):  # the same one once
-        if engine.shares_policy:
+        if engine.holds is Holding.SHARED:
             engine.load_weights(version)
-        elif engine.in_process or remote:
+        elif engine.holds is Holding.COPY or remote:
             engine.load_weights(version, counted(rollout_weights(parts, engine)))
         else:
             for _ in rollout_weights(parts, engine):

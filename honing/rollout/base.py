@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from enum import Enum
+from typing import Any
 
 from honing.seeds import task_seed
 from honing.types import Rollout
@@ -47,36 +49,47 @@ class GenerationRequest:
     group_index: int
 
 
-class RolloutEngine(Protocol):
-    """Samples completions and receives new policy weights; every engine of the pipeline
-    (in-process, torchrun-spread, Ray workers, remote servers) subclasses it, taking the
-    defaults it does not override.
+class Holding(Enum):
+    """What policy an engine samples with, and so how it takes new weights."""
 
+    SHARED = "shared"  # the trainer's module itself, in this process: only the version changes
+    COPY = "copy"  # its own copy of the policy module in this process: the module's tensors
+    REMOTE = "remote"  # a plain model in other processes or servers: plain weights (LoRA merged)
+
+
+class RolloutEngine(ABC):
+    """Samples completions and receives new policy weights; every engine of the pipeline
+    (in-process, torchrun-spread, Ray workers, remote servers) subclasses it, and one that
+    lacks a required method fails when it is built.
+
+    ``holds`` (a constructor argument): what the engine samples with (``Holding``).
     ``generate`` returns ``n`` rollouts per request, grouped by request, in request order.
-    ``load_weights`` makes the engine sample from policy ``version`` from now on: an engine
-    that shares the trainer's module in this process (``shares_policy``) only records the
-    version; any other needs the weights, as pieces. ``in_process`` engines hold a copy of the
-    policy module itself (its own parameter names, a LoRA wrapper's included); the others hold
-    a plain model elsewhere (a LoRA policy's adapters reach them merged). ``detached_copy``
-    gives an engine that can sample on another thread while the trainer's module changes
-    (itself, for engines in other processes). ``take_report`` hands over the metrics and events
-    of the calls since the last take; ``regenerated`` counts samples generated again after a
-    worker or server failed; ``close`` releases connections and workers.
+    ``load_weights`` makes the engine sample from policy ``version`` from now on: a
+    ``SHARED`` engine only records the version; any other needs the weights, as pieces
+    (``COPY``: the policy module's own names, a LoRA wrapper's included; ``REMOTE``: the plain
+    model's, a LoRA policy's adapters merged). ``detached_copy`` gives an engine that can
+    sample on another thread while the trainer's module changes (itself, for engines in other
+    processes). ``take_report`` hands over the metrics and events of the calls since the last
+    take; ``regenerated`` counts samples generated again after a worker or server failed;
+    ``close`` releases connections and workers.
     """
 
-    shares_policy: bool = False
-    in_process: bool = False
-    weight_version: int = 0
+    weight_version: int = 0  # the policy version it samples from
     regenerated: int = 0
 
+    def __init__(self, holds: Holding) -> None:
+        self.holds = holds
+
+    @abstractmethod
     def generate(
         self, requests: list[GenerationRequest], params: SamplingParams
     ) -> list[Rollout]: ...
 
+    @abstractmethod
     def load_weights(self, version: int, weights: WeightPieces | None = None) -> None: ...
 
-    def detached_copy(self) -> RolloutEngine:
-        return self
+    @abstractmethod
+    def detached_copy(self) -> RolloutEngine: ...
 
     def take_report(self) -> EngineReport:
         return {}, []

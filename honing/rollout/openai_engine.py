@@ -45,6 +45,7 @@ import httpx
 
 from honing.rollout.base import (
     GenerationRequest,
+    Holding,
     RolloutEngine,
     SamplingParams,
     WeightPieces,
@@ -90,9 +91,9 @@ class OpenAIEngine(RolloutEngine):
         max_concurrency: requests in flight at once. token: bearer token, if the servers
             require one. stop_ids: token ids that end a response (counted as ``stop``).
         routing: for R3, the policy's routers; the engine then asks for routed experts.
-    """
 
-    shares_policy = False  # weights must be sent: the servers hold their own copies
+    The servers hold their own plain copies of the model (``Holding.REMOTE``).
+    """
 
     def __init__(
         self,
@@ -114,6 +115,7 @@ class OpenAIEngine(RolloutEngine):
     ):
         if not endpoints:
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
+        super().__init__(Holding.REMOTE)
         self.endpoints = [_Endpoint(_base_url(url)) for url in endpoints]
         self.tokenizer = tokenizer
         self.retries, self.cooldown_s = retries, cooldown_s
@@ -121,9 +123,7 @@ class OpenAIEngine(RolloutEngine):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
-        self.weight_version = 0
         self.weight_sync, self.weight_dir, self.model_dir = weight_sync, weight_dir, model_dir
-        self.regenerated = 0  # samples generated again after their request failed
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one weight upload at a time
@@ -371,6 +371,11 @@ class OpenAIEngine(RolloutEngine):
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
+
+    def detached_copy(self) -> OpenAIEngine:
+        """Itself: the servers' models are not the trainer's, so sampling on another thread
+        needs no copy."""
+        return self
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -24,6 +24,7 @@ from honing.models.moe import routers_of
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
+    Holding,
     RolloutEngine,
     SamplingParams,
     WeightPieces,
@@ -84,10 +85,10 @@ class TransformersEngine(RolloutEngine):
     """Batched sampling from a Hugging Face causal LM held in this process.
 
     ``fast_decode`` (default on) uses ``FastDecoder`` when ``supports(model)``; otherwise, and
-    when off, the model's own forward. ``fast_decode_reason`` says which and why.
+    when off, the model's own forward. ``fast_decode_reason`` says which and why. ``holds``:
+    ``Holding.SHARED`` when ``model`` is the trainer's policy module itself (it then only
+    learns each new version), else ``COPY`` (it copies the weights it is sent).
     """
-
-    in_process = True
 
     def __init__(
         self,
@@ -95,6 +96,7 @@ class TransformersEngine(RolloutEngine):
         tokenizer,
         *,
         device: torch.device,
+        holds: Holding = Holding.COPY,
         generation_batch: int = 256,
         fast_decode: bool = True,
         speculation: Speculation | None = None,
@@ -102,12 +104,13 @@ class TransformersEngine(RolloutEngine):
     ):
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError("the tokenizer needs a pad token distinct from eos")
+        if holds is Holding.REMOTE:
+            raise ValueError("a TransformersEngine holds its model in this process")
+        super().__init__(holds)
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.generation_batch = generation_batch
-        self.weight_version = 0
-        self.shares_policy = True  # built on the trainer's module; a detached copy is not
         self.stop_ids = stop_token_ids(model, tokenizer)
         # transformers 5.x calls the KV cache argument `cache`; 4.x called it `past_key_values`.
         forward_args = inspect.signature(model.forward).parameters
@@ -142,7 +145,6 @@ class TransformersEngine(RolloutEngine):
             gen_timeout_s=self.gen_timeout_s,
         )
         engine.weight_version = self.weight_version
-        engine.shares_policy = False
         return engine
 
     def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:

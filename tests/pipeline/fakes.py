@@ -30,7 +30,7 @@ from honing.pipeline.components import (
     update_settings,
 )
 from honing.pipeline.inputs import build_scorer, tokenize_prompts
-from honing.rollout.base import RolloutEngine, weight_items
+from honing.rollout.base import Holding, RolloutEngine, weight_items
 from honing.trainer.layouts import OneProcess
 from honing.types import Rollout
 
@@ -83,11 +83,9 @@ def _seeded(seed: int) -> torch.Generator:
 class BigramEngine(RolloutEngine):
     """Samples ``TinyLM``'s next-token distribution token by token (temperature, greedy)."""
 
-    in_process = True
-
-    def __init__(self, model: TinyLM, tokenizer: CharTokenizer, shares_policy: bool = True):
-        self.model, self.tokenizer, self.shares_policy = model, tokenizer, shares_policy
-        self.weight_version = 0
+    def __init__(self, model: TinyLM, tokenizer: CharTokenizer, holds=Holding.SHARED):
+        super().__init__(holds)
+        self.model, self.tokenizer = model, tokenizer
         self.calls = 0
 
     def generate(self, requests, params) -> list[Rollout]:
@@ -135,7 +133,7 @@ class BigramEngine(RolloutEngine):
         self.weight_version = version
 
     def detached_copy(self) -> BigramEngine:
-        engine = BigramEngine(copy.deepcopy(self.model), self.tokenizer, shares_policy=False)
+        engine = BigramEngine(copy.deepcopy(self.model), self.tokenizer, Holding.COPY)
         engine.weight_version = self.weight_version
         return engine
 
