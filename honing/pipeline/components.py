@@ -89,7 +89,7 @@ class Components:
     prompt_ids: dict[str, list[int]]  # rendered and tokenized, by prompt id
     rendered: dict[str, str]
     source: PromptSource
-    update: UpdateSettings
+    update_settings: UpdateSettings
     train_sampling: SamplingParams
     kl_controller: KLController
     skipped_rows: int
@@ -225,7 +225,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
         prompt_ids=prompt_ids,
         rendered=rendered,
         source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
-        update=update_settings(config),
+        update_settings=update_settings(config),
         train_sampling=train_sampling(config),
         skipped_rows=skipped,
         kl_controller=KLController(

@@ -55,7 +55,7 @@ def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bo
     return (
         tis_level(config) != "none"
         or (algo.kl_in_reward and algo.kl_coef > 0)
-        or parts.update.optimizer_steps_per_batch(batch_size) > 1
+        or parts.update_settings.optimizer_steps_per_batch(batch_size) > 1
     )
 
 
@@ -80,7 +80,7 @@ class Passes:
 def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict:
     """The passes ``wanted`` of ``batch`` ([N, R] each, or None) and their timings; under a
     sharded layout every rank runs this with the same batch, each computing its rows."""
-    update, policy = parts.update, parts.trainers.policy
+    update, policy = parts.update_settings, parts.trainers.policy
     width = batch.responses.shape[1]
 
     def logprobs_of(model, tap=None):

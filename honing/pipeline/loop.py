@@ -1,10 +1,13 @@
 """The training loop: generate -> score -> update, under each schedule.
 
-Per step: take a batch of prompts, sample ``group_size`` completions each, score them,
-compute advantages, update the policy, log, and validate / checkpoint on schedule. Under
-``schedule.mode=sync`` the batch is made right then, by the in-process engine that shares the
+A step (``TrainLoop.train_step``) runs the stages by name: generate and score a batch
+(``group_size`` completions of ``batch_size`` prompts), its advantages, the update, and the
+sync of the new weights to the rollout engines; then the loop logs, validates, checkpoints
+and acts on alerts. Where the batch comes from is the schedule's (``pipeline/schedules.py``):
+under ``schedule.mode=sync`` it is made right then, by the in-process engine that shares the
 policy; under ``one_step`` / ``async`` it was made ahead by ``producer.RolloutProducer`` on
-other threads (with its own copy of the policy, which gets each new version). Every generated
+other threads (with its own copy of the policy, which gets each new version). The step's
+metric arithmetic is ``step_metrics``'s. Every generated
 sample is accounted for: generated = trained + filtered + failed + stale, where failed counts
 the samples whose score failed and were dropped (``reward.on_error=drop``) and stale those
 that arrived staler than ``schedule.max_staleness``; ``samples/score_errors`` counts every
@@ -13,7 +16,6 @@ failed score, also those trained with a recorded 0 (``reward.on_error=zero``).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,19 +26,17 @@ from honing.checkpoint import CheckpointManager
 from honing.config import Config
 from honing.errors import RunStopped
 from honing.monitor import RunLogger
-from honing.monitor.logger import distribution_metrics
-from honing.monitor.system import system_metrics
 from honing.pipeline.alerting import Alerting, Decision, set_aside_newer
-from honing.pipeline.collect import Collected, collect
+from honing.pipeline.collect import Collected
 from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
-from honing.pipeline.experience import make_experience
+from honing.pipeline.experience import Experience, make_experience
 from honing.pipeline.offload import Offloader
 from honing.pipeline.peers import Alone, Peers
-from honing.pipeline.producer import RolloutProducer
+from honing.pipeline.schedules import Ahead, Inline, start_schedule
 from honing.pipeline.state import load_training_state, save_training_state
+from honing.pipeline.step_metrics import step_metrics
 from honing.pipeline.update import UpdateInputs, apply_update
-from honing.pipeline.weight_sync import send_weights, snapshot
 from honing.seeds import step_seed, validation_seed
 from honing.trainer.mtp import train_mtp
 from honing.types import Rollout, Score
@@ -63,7 +63,7 @@ class TrainLoop:
         self.parts = parts
         self.logger = logger
         self.checkpoints = checkpoints
-        self.producer: RolloutProducer | None = None  # one_step / async: rollouts made ahead
+        self.schedule: Inline | Ahead | None = None  # where batches come from (started by run)
         self.adjusted: dict[str, float] = {}  # alert rollbacks' temperature and kl_coef
         self.offload = Offloader(config.memory, config.schedule.mode, parts, logger.log_event)
 
@@ -71,7 +71,7 @@ class TrainLoop:
         cfg = self.config.trainer
         alerting = Alerting(self.config.monitor, self.logger, self.checkpoints.root.parent)
         step = start_step
-        self._start_producer(start_step)
+        self._start_schedule(start_step)
         try:
             if start_step == 0 and cfg.val_at_start:
                 self.logger.log_metrics(0, self._validate(0))
@@ -99,36 +99,40 @@ class TrainLoop:
         self._end(step, alerting)
 
     def _end(self, step: int, alerting: Alerting, upload_wait_s: float = 600.0) -> None:
-        """The producer stopped, the mirror's queued uploads awaited, the alerts closed:
+        """The schedule stopped, the mirror's queued uploads awaited, the alerts closed:
         each whatever the one before it raised."""
         try:
-            self._stop_producer(step, "end of run")
+            self._stop_schedule(step, "end of run")
         finally:
             try:
                 self.checkpoints.finish_uploads(upload_wait_s)
             finally:
                 alerting.close()
 
-    def _start_producer(self, start_step: int) -> None:
-        """Under ``one_step`` / ``async``, rollouts are produced ahead on other threads."""
-        if self.config.schedule.mode == "sync":
-            return
+    def _start_schedule(self, start_step: int) -> None:
+        """Batches made now (``sync``) or ahead on other threads (``one_step`` / ``async``),
+        for the steps after ``start_step``, with the parts as they are now."""
         seed = self.config.trainer.seed
-        self.producer = RolloutProducer(
-            self.config, self.parts, start_step, lambda step: step_seed(seed, step)
+        self.schedule = start_schedule(
+            self.config,
+            self.parts,
+            self.peers,
+            self.offload,
+            start_step,
+            lambda step: step_seed(seed, step),
         )
 
-    def _stop_producer(self, step: int, reason: str) -> None:
-        """Stops the producer; samples made for later steps are discarded, and said so."""
-        if self.producer is None:
+    def _stop_schedule(self, step: int, reason: str) -> None:
+        """Stops the schedule; samples made for later steps are discarded, and said so."""
+        if self.schedule is None:
             return
-        discarded = self.producer.close()
-        self.producer = None
+        discarded = self.schedule.close()
+        self.schedule = None
         if discarded:
             self.logger.log_event("rollouts_discarded", step=step, samples=discarded, reason=reason)
 
     def _save(self, step: int, required: bool | None = None):
-        source = self.producer.source_state(step + 1) if self.producer else None
+        source = self.schedule.source_state(step + 1) if self.schedule else None
         return save_training_state(
             self.checkpoints,
             self.parts,
@@ -161,9 +165,9 @@ class TrainLoop:
             raise RunStopped(f"stopped by alert {rule!r} at step {step}; checkpoint {path}")
         alerting.rollbacks += 1
         changes = decision.firing.rule.rollback
-        self._stop_producer(step, "rollback")
+        self._stop_schedule(step, "rollback")
         target = self._rollback_to(target, changes)
-        self._start_producer(target)
+        self._start_schedule(target)
         alerting.engine.reset()
         abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
         self.checkpoints.abandon_mirror_after(target)
@@ -201,14 +205,14 @@ class TrainLoop:
         KL loss term's) from now on; checkpoints record them, and a resumed run calls this
         with what its checkpoint recorded."""
         parts = self.parts
-        sampling, update = parts.train_sampling, parts.update
+        sampling, update = parts.train_sampling, parts.update_settings
         if "temperature" in settings:
             sampling = replace(sampling, temperature=settings["temperature"])
             update = replace(update, temperature=settings["temperature"])
         if "kl_coef" in settings and not self.config.algorithm.kl_in_reward:
             update = replace(update, kl_coef=settings["kl_coef"])
         self.adjusted |= settings
-        self.parts = replace(parts, train_sampling=sampling, update=update)
+        self.parts = replace(parts, train_sampling=sampling, update_settings=update)
 
     def _validate(self, step: int) -> dict[str, float]:
         parts = self.parts
@@ -231,26 +235,81 @@ class TrainLoop:
         return metrics | {f"val/{name.split('/', 1)[1]}": value for name, value in report.items()}
 
     def train_step(self, step: int) -> dict[str, float]:
-        parts, cfg = self.parts, self.config
-        t0 = time.perf_counter()
-        if self.producer is None:
-            offloaded = self.offload.before_generation()
-            self.offload.mark()
-            got, schedule = collect(cfg, parts, step, step_seed(cfg.trainer.seed, step)), {}
-            schedule |= offloaded | self.offload.peak("gen")
-        else:
-            got, schedule = self.producer.take(step)
-        metrics = self._rollout_metrics(got) | schedule
-        metrics |= got.engine_metrics  # speculation, Ray workers
+        """One step: a generated and scored batch (made now or ahead, by the schedule), its
+        advantages, the update, and the new weights to the rollout engines."""
+        started = time.perf_counter()
+        got, stages = self.schedule.take(step)  # generate, score
+        if got.kept:
+            experience, prepared = self._advantages(got)
+            stages |= prepared | self._update(step, experience)
+        if self._policy_acts(step):
+            self.parts.trainers.policy.advance_schedule()  # its schedule starts with it
+        synced = time.perf_counter()
+        stages |= self.schedule.publish(step)  # sync
+        stages["timing_s/sync"] = time.perf_counter() - synced  # ~0: an engine on the module
+        trainers, system = self.parts.trainers, self.config.monitor.system_metrics
+        metrics = step_metrics(step, got, stages, started, trainers, system)
+        self._record(step, got, metrics)
+        return metrics
+
+    def _policy_acts(self, step: int) -> bool:
+        """Whether the policy updates at ``step``: PPO's critic fits the values first, and
+        during its warm-up the policy waits (its learning-rate schedule too)."""
+        critic = self.parts.trainers.critic
+        return critic is None or step > self.config.trainer.critic_warmup_steps
+
+    def _advantages(self, got: Collected) -> tuple[Experience, dict[str, float]]:
+        """The kept samples' experience (the passes without gradient, the advantages) and the
+        time it took; the trainer's offloaded state back on its device first."""
+        reloaded = self.offload.before_update()
+        self.offload.mark()
+        started = time.perf_counter()
+        rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
+        parts = self.parts
+        experience = make_experience(
+            self.config, parts, rollouts, rewards, got.baselines, self.peers
+        )
+        return experience, reloaded | {"timing_s/prepare": time.perf_counter() - started}
+
+    def _update(self, step: int, experience: Experience) -> dict[str, float]:
+        """The critic's fit and the policy's update on ``experience`` (every torchrun rank
+        alongside), then the MTP heads' step on the updated policy."""
+        trainers = self.parts.trainers
+        started = time.perf_counter()
+        acts = self._policy_acts(step)
+        inputs = UpdateInputs(
+            batch=experience.batch,
+            advantages=experience.advantages,
+            old_logprobs=experience.old_logprobs,
+            ref_logprobs=experience.ref_logprobs,
+            old_values=experience.old_values,
+            returns=experience.returns,
+            settings=self.parts.update_settings,
+            seed=step_seed(self.config.trainer.seed, step),
+            act=acts,
+            value_clip=self.config.algorithm.value_clip,
+            lr=trainers.policy.learning_rates(),
+        )
+        with self.peers.together("update", inputs):  # the other ranks run theirs alongside
+            metrics = experience.metrics | apply_update(trainers, inputs)
+        metrics["timing_s/update"] = time.perf_counter() - started
+        if not acts:
+            return metrics
+        metrics["actor/lr"] = trainers.policy.learning_rates()[0]
+        if trainers.mtp is not None:  # the draft heads learn the updated policy's hidden states
+            generator = torch.Generator().manual_seed(inputs.seed)
+            metrics |= train_mtp(trainers.mtp, self.parts.policy, experience.batch, generator)
+        return metrics | self.offload.peak("update")
+
+    def _record(self, step: int, got: Collected, metrics: dict[str, float]) -> None:
+        """What the step says besides its metrics: the engine's events, steps and updates it
+        skipped, a short batch, the samples and the histograms."""
         for kind, fields in got.engine_events:
             self.logger.log_event(kind, step=step, **fields)
-        metrics.setdefault("samples/stale", 0)
-        if got.kept:
-            metrics |= self._update(step, got)
-        else:
-            metrics["samples/trained"] = 0
+        if not got.kept:
             self.logger.log_event("skipped_step", step=step, reason="no usable group to train on")
-        if got.rounds > 1 and len({r.group_index for r, _ in got.kept}) < cfg.rollout.batch_size:
+        batch_size = self.config.rollout.batch_size
+        if got.rounds > 1 and len({r.group_index for r, _ in got.kept}) < batch_size:
             self.logger.log_event(
                 "short_batch",
                 step=step,
@@ -264,131 +323,11 @@ class TrainLoop:
                 count=metrics["actor/skipped_updates"],
                 reason="non-finite gradient norm",
             )
-        metrics["samples/filtered"] += metrics.get("samples/filtered_truncated", 0)
-        self._check_accounting(step, metrics)
-        if parts.trainers.critic is None or step > cfg.trainer.critic_warmup_steps:
-            parts.trainers.policy.advance_schedule()  # the policy's schedule starts with it
-        t_sync = time.perf_counter()
-        if self.producer is None:
-            with self.peers.together("sync", step):
-                metrics["perf/sync_mb"] = send_weights(parts, step) / 2**20
-        else:  # the producer's engine gets them on its own thread
-            parts.val_engine.load_weights(step)
-            self.producer.publish(step, snapshot(parts, self.producer.engine))
-        t_end = time.perf_counter()
-        metrics["timing_s/sync"] = t_end - t_sync  # ~0 when the engine shares the module
-        generated = sum(len(r.response_ids) for r in got.rollouts)
-        tokens = generated + sum(len(r.prompt_ids) for r in got.rollouts)
-        metrics |= {
-            "timing_s/gen": got.gen_seconds,
-            "timing_s/reward": got.reward_seconds,
-            "timing_s/step": t_end - t0,
-            "perf/throughput": tokens / (t_end - t0),
-        }
-        if got.gen_seconds > 0:  # sampled tokens per second of generation
-            metrics["perf/gen_tokens_per_s"] = generated / got.gen_seconds
-        if metrics.get("timing_s/update"):  # tokens through the update per second of it
-            trained = sum(len(r.prompt_ids) + len(r.response_ids) for r, _ in got.kept)
-            metrics["perf/train_tokens_per_s"] = trained / metrics["timing_s/update"]
         self._log_samples(step, got.rollouts, got.scores)
-        rewards = [s.reward for _, s in got.kept]
-        lengths = [len(r.response_ids) for r in got.rollouts]
-        dist = distribution_metrics("response_length", lengths)
-        dist |= distribution_metrics("critic/score", rewards)
-        metrics = dist | metrics  # the loop's own min/max/mean stay as they are
-        if cfg.monitor.histograms:
+        if self.config.monitor.histograms:
+            rewards = [s.reward for _, s in got.kept]
+            lengths = [len(r.response_ids) for r in got.rollouts]
             self.logger.log_histograms(step, {"critic/score": rewards, "response_length": lengths})
-        if cfg.monitor.system_metrics:
-            metrics |= system_metrics()
-        return metrics | self._layout_metrics()
-
-    def _layout_metrics(self) -> dict[str, float]:
-        """``dist/world_size``, ``dist/strategy`` (0: one process, 1: replicated ranks, 2:
-        sharded) and ``memory/model_state_mb``: the parameters, gradients and optimizer
-        state this process holds, what sharding divides."""
-        policy = self.parts.trainers.policy
-        strategy = 2.0 if policy.is_sharded else (1.0 if policy.world_size > 1 else 0.0)
-        held = sum(engine.state_bytes() for engine in self.parts.trainers.all())
-        return {
-            "dist/world_size": float(policy.world_size),
-            "dist/strategy": strategy,
-            "memory/model_state_mb": held / 2**20,
-        }
-
-    @staticmethod
-    def _check_accounting(step: int, metrics: dict) -> None:
-        """docs/design.md's invariant: every generated sample is trained, filtered or failed."""
-        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
-        if metrics["samples/generated"] != sum(metrics[k] for k in parts):
-            raise RuntimeError(
-                f"sample accounting broken at step {step}: "
-                f"{ {k: v for k, v in metrics.items() if 'samples/' in k} }"
-            )
-
-    def _update(self, step: int, got: Collected) -> dict:
-        parts, trainers = self.parts, self.parts.trainers
-        reloaded = self.offload.before_update()
-        self.offload.mark()
-        t0 = time.perf_counter()
-        rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
-        exp = make_experience(self.config, parts, rollouts, rewards, got.baselines, self.peers)
-        t_update = time.perf_counter()
-        # PPO's critic fits the values first; during its warm-up the policy waits.
-        act = trainers.critic is None or step > self.config.trainer.critic_warmup_steps
-        inputs = UpdateInputs(
-            batch=exp.batch,
-            advantages=exp.advantages,
-            old_logprobs=exp.old_logprobs,
-            ref_logprobs=exp.ref_logprobs,
-            old_values=exp.old_values,
-            returns=exp.returns,
-            settings=parts.update,
-            seed=step_seed(self.config.trainer.seed, step),
-            act=act,
-            value_clip=self.config.algorithm.value_clip,
-            lr=trainers.policy.learning_rates(),
-        )
-        with self.peers.together("update", inputs):  # the other ranks run theirs alongside
-            metrics = exp.metrics | apply_update(trainers, inputs)
-        metrics["timing_s/update"] = time.perf_counter() - t_update
-        if not act:
-            return metrics | reloaded
-        metrics["actor/lr"] = trainers.policy.learning_rates()[0]
-        if trainers.mtp is not None:  # the draft heads learn the updated policy's hidden states
-            generator = torch.Generator().manual_seed(inputs.seed)
-            metrics |= train_mtp(trainers.mtp, parts.policy, exp.batch, generator)
-        metrics["timing_s/prepare"] = t_update - t0
-        return metrics | reloaded | self.offload.peak("update")
-
-    def _rollout_metrics(self, got: Collected) -> dict:
-        rollouts, scores = got.rollouts, got.scores
-        rewards = [s.reward for _, s in got.kept]  # what is trained
-        lengths = [len(r.response_ids) for r in rollouts]
-        latencies = sorted(got.latencies_ms)
-        metrics = {
-            "response_length/mean": statistics.fmean(lengths),
-            "response_length/max": max(lengths),
-            "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts)
-            / len(rollouts),
-            "samples/generated": len(rollouts),
-            "samples/failed": got.failed,
-            "samples/filtered": sum(got.filtered.values()),
-            "samples/score_errors": sum(not s.ok for s in scores),
-            "samples/gen_rounds": got.rounds,
-            "samples/regenerated": got.regenerated,
-            "reward/latency_p50_ms": latencies[(len(latencies) - 1) // 2],
-            "reward/latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))],
-            **got.reward_counters,
-        }
-        metrics |= {f"samples/filtered_{reason}": n for reason, n in got.filtered.items()}
-        if rewards:
-            metrics |= {
-                "critic/score/mean": statistics.fmean(rewards),
-                "critic/score/max": max(rewards),
-                "critic/score/min": min(rewards),
-                "critic/score/std": statistics.pstdev(rewards),
-            }
-        return metrics
 
     def _log_samples(self, step: int, rollouts: list[Rollout], scores: list[Score]) -> None:
         count = self.config.monitor.log_samples

@@ -163,7 +163,7 @@ def fake_components(config: Config, log=print) -> Components:
         prompt_ids=prompt_ids,
         rendered=rendered,
         source=PromptSource(train, config.rollout.batch_size, seed=t.seed),
-        update=update_settings(config),
+        update_settings=update_settings(config),
         train_sampling=train_sampling(config),
         kl_controller=KLController(algo.kl_coef, algo.kl_ctrl, algo.kl_target, algo.kl_horizon),
         skipped_rows=0,

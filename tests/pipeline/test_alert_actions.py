@@ -158,7 +158,8 @@ def test_two_rollbacks_halve_the_learning_rate_twice_and_a_resume_keeps_it(
     run_loop = TrainLoop.run
 
     def watched(loop, start):
-        temperatures.append((loop.parts.train_sampling.temperature, loop.parts.update.temperature))
+        settings = loop.parts.update_settings
+        temperatures.append((loop.parts.train_sampling.temperature, settings.temperature))
         return run_loop(loop, start)
 
     monkeypatch.setattr(TrainLoop, "run", watched)

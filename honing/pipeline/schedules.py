@@ -1,0 +1,96 @@
+"""Where a step's scored batch comes from, and where the weights go after its update, under
+each ``schedule.mode``; the loop asks the same two things of either:
+
+- ``Inline`` (``sync``): the batch is generated and scored when the step asks for it, by the
+  engine that samples with the policy (idle state offloaded around it,
+  ``pipeline/offload.py``), and the new weights go to the engines right after the update
+  (every torchrun rank taking part, ``weight_sync.send_weights``).
+- ``Ahead`` (``one_step`` / ``async``): ``producer.RolloutProducer`` made the batch on its
+  threads, with its own copy of the policy; the new weights are published to it as a copy
+  its thread loads when its admission rule says so.
+
+``take(step)`` gives the batch and the schedule's metrics; ``publish(step)`` the weights after
+update ``step`` and the sync's metrics; ``source_state(next_step)`` the data cursor a
+checkpoint must record; ``close()`` stops and says how many samples made ahead were dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from honing.config import Config
+from honing.pipeline.collect import Collected, collect
+from honing.pipeline.components import Components
+from honing.pipeline.offload import Offloader
+from honing.pipeline.peers import Peers
+from honing.pipeline.producer import RolloutProducer
+from honing.pipeline.weight_sync import send_weights, snapshot
+
+
+class Inline:
+    """The ``sync`` schedule (see the module)."""
+
+    def __init__(
+        self,
+        config: Config,
+        parts: Components,
+        peers: Peers,
+        offload: Offloader,
+        seed_of: Callable[[int], int],
+    ):
+        self.config, self.parts, self.peers = config, parts, peers
+        self.offload, self.seed_of = offload, seed_of
+
+    def take(self, step: int) -> tuple[Collected, dict[str, float]]:
+        offloaded = self.offload.before_generation()
+        self.offload.mark()
+        got = collect(self.config, self.parts, step, self.seed_of(step))
+        return got, offloaded | self.offload.peak("gen")
+
+    def publish(self, step: int) -> dict[str, float]:
+        with self.peers.together("sync", step):
+            return {"perf/sync_mb": send_weights(self.parts, step) / 2**20}
+
+    def source_state(self, next_step: int) -> dict | None:
+        return None  # the prompt source's own: nothing is drawn ahead
+
+    def close(self) -> int:
+        return 0
+
+
+class Ahead:
+    """The ``one_step`` and ``async`` schedules (see the module)."""
+
+    def __init__(
+        self, config: Config, parts: Components, start: int, seed_of: Callable[[int], int]
+    ):
+        self.parts = parts
+        self.producer = RolloutProducer(config, parts, start, seed_of)
+
+    def take(self, step: int) -> tuple[Collected, dict[str, float]]:
+        return self.producer.take(step)
+
+    def publish(self, step: int) -> dict[str, float]:
+        self.parts.val_engine.load_weights(step)  # validation samples with the policy itself
+        self.producer.publish(step, snapshot(self.parts, self.producer.engine))
+        return {}  # the producer's engine loads them on its own thread
+
+    def source_state(self, next_step: int) -> dict | None:
+        return self.producer.source_state(next_step)
+
+    def close(self) -> int:
+        return self.producer.close()
+
+
+def start_schedule(
+    config: Config,
+    parts: Components,
+    peers: Peers,
+    offload: Offloader,
+    start: int,
+    seed_of: Callable[[int], int],
+) -> Inline | Ahead:
+    """The schedule of ``config.schedule.mode``, for steps after ``start``."""
+    if config.schedule.mode == "sync":
+        return Inline(config, parts, peers, offload, seed_of)
+    return Ahead(config, parts, start, seed_of)
