@@ -198,7 +198,7 @@ def _check_metric(text: str, metric: str) -> None:
     )
 
 
-class AlertEngine:
+class AlertRules:
     """Evaluates the rules on each step's metrics and says which fired."""
 
     def __init__(self, rules: list[Rule]) -> None:

@@ -27,7 +27,7 @@ from honing.checkpoint import CheckpointManager
 from honing.config import MonitorConfig
 from honing.errors import ConfigError
 from honing.monitor import RunLogger
-from honing.monitor.alerts import AlertEngine, Firing, Rule, Watchdog, parse_rule, post_webhook
+from honing.monitor.alerts import AlertRules, Firing, Rule, Watchdog, parse_rule, post_webhook
 
 
 def set_aside_newer(
@@ -72,7 +72,7 @@ class Alerting:
     def __init__(self, config: MonitorConfig, logger: RunLogger, run_dir: Path) -> None:
         self.config, self.logger, self.run_dir = config, logger, run_dir
         rules = parse_rules(config)
-        self.engine = AlertEngine(rules)
+        self.rules = AlertRules(rules)
         self.watchdog = Watchdog(rules, self._stalled)
         self.rollbacks = 0
 
@@ -80,7 +80,7 @@ class Alerting:
         """Record this step's firings; the stop or rollback the loop must do, if any."""
         self.watchdog.beat()
         decision = None
-        for firing in self.engine.observe(step, metrics):
+        for firing in self.rules.observe(step, metrics):
             self.logger.log_event("alert", **firing.event())
             if "webhook" in firing.rule.actions:
                 self._webhook({"kind": "alert", **firing.event()})

@@ -168,7 +168,7 @@ class TrainLoop:
         self._stop_schedule(step, "rollback")
         target = self._rollback_to(target, changes)
         self._start_schedule(target)
-        alerting.engine.reset()
+        alerting.rules.reset()
         abandoned = set_aside_newer(self.checkpoints, target, lambda message: None)
         self.checkpoints.abandon_mirror_after(target)
         dropped = self.logger.truncate_after(target)

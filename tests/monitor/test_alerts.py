@@ -9,13 +9,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from honing.errors import ConfigError
-from honing.monitor.alerts import AlertEngine, Watchdog, parse_rule, post_webhook
+from honing.monitor.alerts import AlertRules, Watchdog, parse_rule, post_webhook
 
 
 def _run(rule_text, stream):
     """Feed ``[(step, metrics)]``; return ``[(step, good_step)]`` of each firing."""
-    engine = AlertEngine([parse_rule(rule_text)])
-    return [(f.step, f.good_step) for step, m in stream for f in engine.observe(step, m)]
+    rules = AlertRules([parse_rule(rule_text)])
+    return [(f.step, f.good_step) for step, m in stream for f in rules.observe(step, m)]
 
 
 def test_parse_forms_and_actions():
@@ -90,9 +90,9 @@ def test_equal_values_break_a_trend():
 
 
 def test_nonfinite_fires_on_any_nan_metric_and_names_it():
-    engine = AlertEngine([parse_rule("nonfinite -> stop")])
-    assert engine.observe(1, {"a": 1.0, "b": 2.0}) == []
-    [firing] = engine.observe(2, {"a": math.nan, "b": math.inf})
+    rules = AlertRules([parse_rule("nonfinite -> stop")])
+    assert rules.observe(1, {"a": 1.0, "b": 2.0}) == []
+    [firing] = rules.observe(2, {"a": math.nan, "b": math.inf})
     assert firing.values == {"nonfinite": ["a", "b"]} and firing.good_step == 1
 
 

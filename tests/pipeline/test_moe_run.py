@@ -99,12 +99,12 @@ def test_an_aux_loss_the_family_lacks_is_one_clear_error(tmp_path, moe_dirs, dig
 def test_the_documented_imbalance_alert_parses_and_fires():
     from pathlib import Path
 
-    from honing.monitor.alerts import AlertEngine, parse_rule
+    from honing.monitor.alerts import AlertRules, parse_rule
 
     docs = (Path(__file__).parents[2] / "docs" / "moe.md").read_text()
     [rule] = [line.strip()[3:-1] for line in docs.splitlines() if "load_violation/max >" in line]
-    engine = AlertEngine([parse_rule(rule)])
-    fired = [engine.observe(step, {"moe/load_violation/max": 3.5}) for step in range(1, 6)]
+    rules = AlertRules([parse_rule(rule)])
+    fired = [rules.observe(step, {"moe/load_violation/max": 3.5}) for step in range(1, 6)]
     assert not any(fired[:4]) and fired[4]
 
 
