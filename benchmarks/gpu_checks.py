@@ -109,7 +109,7 @@ def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: floa
     from honing.trainer.batch import collate
     from honing.trainer.engine import TrainedModule
     from honing.trainer.optim import build_optimizer
-    from honing.trainer.update import UpdateSettings, update_policy
+    from honing.trainer.policy_update import UpdateSettings, update_policy
     from honing.types import Rollout
 
     policy = unwrap(model).float().train()

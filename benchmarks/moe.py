@@ -122,7 +122,7 @@ def paired(args) -> dict:
     from honing.trainer.batch import RouterTap, collate, response_logprobs
     from honing.trainer.engine import TrainedModule
     from honing.trainer.layouts import OneProcess
-    from honing.trainer.update import UpdateSettings, update_policy
+    from honing.trainer.policy_update import UpdateSettings, update_policy
 
     torch.manual_seed(0)
     config = build_config({"model.path": "builtin:tiny-moe"})

@@ -43,7 +43,7 @@ from honing.trainer.engine import TrainedModule, TrainerEngine, make_layout
 from honing.trainer.layouts import Layout
 from honing.trainer.optim import build_optimizer
 from honing.trainer.packed import packed_supported
-from honing.trainer.update import UpdateSettings
+from honing.trainer.policy_update import UpdateSettings
 from honing.types import Prompt
 
 BUILTIN_TINY = "builtin:tiny"

@@ -26,7 +26,7 @@ from honing.pipeline.peers import Alone, Peers
 from honing.pipeline.rules import advantage_settings
 from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
 from honing.trainer.engine import TrainerEngine
-from honing.trainer.update import autocast
+from honing.trainer.policy_update import autocast
 from honing.types import Rollout
 
 

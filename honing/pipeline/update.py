@@ -16,7 +16,7 @@ from honing.pipeline.components import Trainers
 from honing.seeds import CRITIC_OFFSET
 from honing.trainer.batch import TrainBatch
 from honing.trainer.critic import update_critic
-from honing.trainer.update import UpdateSettings, update_policy
+from honing.trainer.policy_update import UpdateSettings, update_policy
 
 
 @dataclass(frozen=True)

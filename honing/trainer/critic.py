@@ -16,7 +16,7 @@ from honing.algorithms import masked_mean
 from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
 from honing.trainer.engine import TrainerEngine
-from honing.trainer.update import UpdateSettings, mini_batches
+from honing.trainer.policy_update import UpdateSettings, mini_batches
 
 
 class ValueModel(nn.Module):

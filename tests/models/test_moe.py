@@ -12,7 +12,7 @@ from honing.rollout.transformers_engine import TransformersEngine
 from honing.trainer.batch import RouterTap, collate, response_logprobs
 from honing.trainer.engine import TrainedModule
 from honing.trainer.layouts import OneProcess
-from honing.trainer.update import UpdateSettings, update_policy
+from honing.trainer.policy_update import UpdateSettings, update_policy
 from tests.models.moe_models import FAMILIES, moe_model
 from tests.trainer.test_packed import grpo_like_batch
 

@@ -14,7 +14,7 @@ from honing.errors import ConfigError, DataError, UserError
 from honing.pipeline.components import build_components
 from honing.pipeline.rules import check_config
 from honing.trainer.engine import TrainedModule
-from honing.trainer.update import UpdateSettings, update_policy
+from honing.trainer.policy_update import UpdateSettings, update_policy
 
 from ._configs import small_run_config
 

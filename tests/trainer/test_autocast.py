@@ -10,7 +10,7 @@ from honing.backends.launch import train
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer import batch as batch_module
 from honing.trainer.batch import collate, response_logprobs
-from honing.trainer.update import autocast
+from honing.trainer.policy_update import autocast
 from honing.types import Rollout
 
 

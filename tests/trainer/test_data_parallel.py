@@ -14,9 +14,9 @@ from honing.services.process import free_port
 from honing.trainer.batch import collate
 from honing.trainer.engine import TrainedModule
 from honing.trainer.layouts import OneProcess, Replicated
-from honing.trainer.update import UpdateSettings, update_policy
+from honing.trainer.policy_update import UpdateSettings, update_policy
 
-from .test_update import PAD, make_rollouts
+from .test_policy_update import PAD, make_rollouts
 
 CPU = torch.device("cpu")
 WORLD = 2

@@ -16,7 +16,7 @@ import torch
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.engine import TrainedModule
-from honing.trainer.update import UpdateSettings, mini_batches, update_policy
+from honing.trainer.policy_update import UpdateSettings, mini_batches, update_policy
 from honing.types import Rollout
 
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 
 Every micro-batch loss is normalised by its *mini-batch's* token and sequence counts, so the
 gradient accumulated over any split into micro-batches equals the mini-batch's gradient
-(tests/trainer/test_update.py proves it). Metrics stay tensors until the end of the update:
+(tests/trainer/test_policy_update.py proves it). Metrics stay tensors until the end of the update:
 one host sync per step, not one per micro-batch.
 """
 
