@@ -59,7 +59,6 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = _opt("arithmetic", choices=("arithmetic",))  # built-in task when no files
     train_files: list = _opt([], items=str)  # JSONL / Parquet paths in verl's row schema
     val_files: list = _opt([], items=str)
     train_size: int = _opt(4000, ge=1)  # built-in task: number of training problems
@@ -121,7 +120,7 @@ class RewardConfig:
     routes: dict = _opt({}, items=str)  # data_source -> reward function; adds to / overrides auto
     weights: dict = _opt({}, items=float)  # further reward functions added with a weight
     format_weight: float = _opt(0.0)  # weight of the built-in format reward (0 = off)
-    on_error: str = _opt("fail", choices=("fail", "error", "zero", "drop"))  # error = fail
+    on_error: str = _opt("fail", choices=("fail", "zero", "drop"))
     # verifier service URL(s), comma-separated (VERIFIER_ENDPOINT)
     endpoint: str = _opt("", urls=True)
     timeout_s: float = _opt(30.0, gt=0.0)  # one HTTP request to a verifier service

@@ -4,7 +4,7 @@ A failed score is never silently 0 (docs/design.md): when a reward function rais
 something that is not a finite number, ``on_error`` decides what happens and the reason is
 kept in ``Score.details["error"]`` with ``ok=False``:
 
-- ``"fail"`` (alias ``"error"``): raise ``RewardError`` naming the function, the prompt and
+- ``"fail"``: raise ``RewardError`` naming the function, the prompt and
   the exception;
 - ``"zero"``: reward 0.0 (the sample still trains, as a failure);
 - ``"drop"``: reward NaN; the caller filters ``ok=False`` samples out of the batch.
@@ -31,7 +31,7 @@ from honing.errors import RewardError
 from honing.rewards.registry import describe_error
 from honing.types import Prompt, Rollout, Score
 
-ON_ERROR_POLICIES = ("fail", "error", "zero", "drop")
+ON_ERROR_POLICIES = ("fail", "zero", "drop")
 
 
 @runtime_checkable
@@ -54,7 +54,7 @@ class Scorer:
         weighted: ``(name, function, weight)`` components added to the main score.
         format_fn: shorthand for the component ``("format", format_fn, format_weight)``.
         format_weight: the format component's weight.
-        on_error: ``"fail"`` (or ``"error"``), ``"zero"`` or ``"drop"`` (module docstring).
+        on_error: ``"fail"``, ``"zero"`` or ``"drop"`` (module docstring).
 
     Attributes:
         last_latencies_ms: latency of each scoring call in the last ``score``: per rollout for
@@ -79,7 +79,7 @@ class Scorer:
         self.weighted = list(weighted)
         if format_fn is not None:
             self.weighted.append(("format", format_fn, format_weight))
-        self.on_error = "fail" if on_error == "error" else on_error
+        self.on_error = on_error
         self.last_latencies_ms: list[float] = []
         self.last_metrics: dict[str, float] = {}
 
@@ -156,7 +156,7 @@ class Scorer:
                 close()
 
     def _failed(self, prompt: Prompt, reason: str, on_error: str) -> Score:
-        if on_error in ("fail", "error"):
+        if on_error == "fail":
             raise self.failure(prompt.id, reason)
         reward = 0.0 if on_error == "zero" else math.nan
         return Score(reward=reward, ok=False, details={"error": reason})

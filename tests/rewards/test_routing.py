@@ -113,4 +113,5 @@ def test_reward_maps_in_config_are_checked():
         build_config({"reward.weights": {"format": "lots"}})
     with pytest.raises(ConfigError, match="reward.routes: expected dict"):
         build_config({"reward.routes": "[a, b]"})
-    assert build_config({"reward.on_error": "error"}).reward.on_error == "error"
+    with pytest.raises(ConfigError, match="reward.on_error: 'error' is not allowed"):
+        build_config({"reward.on_error": "error"})  # one name per policy: fail

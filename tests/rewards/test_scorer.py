@@ -82,7 +82,7 @@ def boom(response, ground_truth, **context):
 
 
 def test_error_policy_raises_one_line_naming_function():
-    scorer = Scorer(boom, on_error="error")
+    scorer = Scorer(boom, on_error="fail")
     with pytest.raises(RewardError) as error:
         scorer.score(PROMPTS, [rollout("p1", "43")])
     message = str(error.value)
