@@ -3,45 +3,62 @@
 A full disk shows up as an ``OSError`` (``ENOSPC``, ``EDQUOT``) from Python's own writes, but
 torch's serialization writer reports it as a ``RuntimeError`` naming no errno (measured on a
 full tmpfs: ``basic_ios::clear: iostream error``, then ``[enforce fail at inline_container.cc]
-... unexpected pos``). These helpers read the exception chain for both.
+... unexpected pos``), and safetensors' writer as a ``SafetensorError`` (an ``Exception``)
+whose text carries the OS's message: ``I/O error: No space left on device (os error 28)``.
+These helpers read the exception chain for all three.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 
 FULL_BELOW = 1 << 20  # free bytes under which a failed save is put down to a full disk
 TORCH_WRITE_HINTS = ("inline_container", "iostream error", "PytorchStreamWriter", "No space")
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how writers that wrap the OS's error in their own type (safetensors, Rust's io::Error) say it
+NO_SPACE_TEXTS = tuple(os.strerror(code) for code in NO_SPACE_ERRNOS) + tuple(
+    f"(os error {code})" for code in NO_SPACE_ERRNOS
+)
+OS_ERROR_TEXTS = ("I/O error", "(os error ")
+
+
+def _chain(err: BaseException):
+    seen: BaseException | None = err
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
 
 
 def is_write_failure(err: BaseException) -> bool:
-    """Whether a save failed for want of room rather than from a bug in the writer.
+    """Whether a save failed for want of room or on the filesystem rather than from a bug in
+    the writer.
 
-    An ``OSError`` anywhere in the exception's chain counts, and so do the ``RuntimeError``s
-    torch's writer raises on a full disk, which name no errno (measured on a full tmpfs:
-    ``basic_ios::clear: iostream error``, then ``[enforce fail at inline_container.cc] ...
-    unexpected pos``).
+    An ``OSError`` anywhere in the exception's chain counts; so do the ``RuntimeError``s
+    torch's writer raises on a full disk, which name no errno, and any error whose text
+    carries the OS's own (safetensors: ``I/O error: ... (os error 28)``).
     """
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError):
+    for seen in _chain(err):
+        if isinstance(seen, OSError) or says_no_space(seen):
             return True
         text = str(seen)
         if isinstance(seen, RuntimeError) and any(hint in text for hint in TORCH_WRITE_HINTS):
             return True
-        seen = seen.__cause__ or seen.__context__
+        if any(hint in text for hint in OS_ERROR_TEXTS):
+            return True
     return False
 
 
 def says_no_space(err: BaseException) -> bool:
-    """Whether the exception's chain holds an ENOSPC or EDQUOT (quota) error."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+    """Whether the exception's chain holds an ENOSPC or EDQUOT (quota) error, as an
+    ``OSError`` or in the text of a writer's own error type."""
+    for seen in _chain(err):
+        if isinstance(seen, OSError) and seen.errno in NO_SPACE_ERRNOS:
             return True
-        seen = seen.__cause__ or seen.__context__
+        if any(text in str(seen) for text in NO_SPACE_TEXTS):
+            return True
     return False
 
 
@@ -51,3 +68,8 @@ def free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is missing)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -30,7 +30,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from honing.checkpoint.disk import FULL_BELOW, free_bytes, is_write_failure, says_no_space
+from honing.checkpoint.archive import Archive
+from honing.checkpoint.disk import (
+    FULL_BELOW,
+    free_bytes,
+    is_write_failure,
+    says_no_space,
+    tree_bytes,
+)
 from honing.checkpoint.manifest import (
     MARKER,
     STEP_DIR,
@@ -39,7 +46,7 @@ from honing.checkpoint.manifest import (
     verify,
     write_manifest,
 )
-from honing.checkpoint.mirror import Mirror, Upload, Uploader
+from honing.checkpoint.mirror import Mirror
 from honing.errors import UserError, error_line
 
 EventSink = Callable[..., None]
@@ -130,12 +137,15 @@ class CheckpointManager:
             raise ValueError(f"mirror_every must be >= 1, got {mirror_every}")
         self.root = Path(root)
         self.keep = keep
+        self.on_event = on_event
         self.mirror = Mirror(mirror_url) if mirror_url else None
         self.mirror_every = mirror_every
-        self.mirror_keep = mirror_keep
-        self.mirror_retry = (mirror_attempts, mirror_backoff_s)
-        self.uploader: Uploader | None = None  # started by the first push
-        self.on_event = on_event
+        self.archive = (
+            Archive(self.mirror, mirror_keep, mirror_attempts, mirror_backoff_s, self._event)
+            if self.mirror is not None
+            else None
+        )
+        self._free_at_failure: int | None = None  # free bytes when the last write failed
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -145,12 +155,17 @@ class CheckpointManager:
         """The directory a complete checkpoint of ``step`` has: ``root/step_<step>``."""
         return self.root / f"{STEP_PREFIX}{step}"
 
-    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+    def save(
+        self, step: int, write: Callable[[Path], None], expected_bytes: int | None = None
+    ) -> Path:
         """Writes a checkpoint of ``step`` atomically, applies retention, mirrors on schedule.
 
         Args:
             step: Training step (>= 0) the checkpoint holds.
             write: Fills the given (empty, temporary) directory with the checkpoint files.
+            expected_bytes: About what the checkpoint takes, for the message of a save that
+                finds no room before any checkpoint was written (then the newest one's size
+                is used).
 
         Returns:
             The published directory, ``root/step_<step>``. An existing checkpoint of the
@@ -169,28 +184,43 @@ class CheckpointManager:
         except Exception as err:
             if not is_write_failure(err):
                 raise
-            reason = error_line(err)
-            free = free_bytes(self.root)
-            # Free space is read after the partial checkpoint was removed, so it can look ample.
-            full = says_no_space(err) or (free is not None and free < FULL_BELOW)
-            self._event(
-                "checkpoint_failed",
-                step=step,
-                root=str(self.root),
-                disk_full=full,
-                free_bytes=free,
-                reason=reason,
-            )
-            free_text = "unknown" if free is None else f"{free / (1 << 20):.1f} MiB"
-            raise CheckpointSaveError(
-                f"could not save the checkpoint of step {step} under {self.root}: "
-                f"{'the disk is full' if full else 'the write failed'} ({free_text} free there; "
-                f"{reason})"
-            ) from err
+            raise self._failed(step, err, expected_bytes) from err
         self._prune(protect=step)
-        if self.mirror is not None and step % self.mirror_every == 0:
-            self._push_mirror(final, step)
+        if self.archive is not None and step % self.mirror_every == 0:
+            self.archive.push(final, step)
         return final
+
+    def _failed(
+        self, step: int, err: BaseException, expected_bytes: int | None
+    ) -> CheckpointSaveError:
+        """Reports a save that could not be written (``checkpoint_failed``) and says what it
+        needs. "Full" is read from the error itself or from the free space when it failed:
+        removing the partial checkpoint frees room again."""
+        reason = error_line(err)
+        free = free_bytes(self.root)
+        full = says_no_space(err) or (
+            self._free_at_failure is not None and self._free_at_failure < FULL_BELOW
+        )
+        newest = self.latest()
+        needed = tree_bytes(newest) if newest is not None else expected_bytes
+        self._event(
+            "checkpoint_failed",
+            step=step,
+            root=str(self.root),
+            disk_full=full,
+            free_bytes=free,
+            needed_bytes=needed,
+            reason=reason,
+        )
+        free_text = "unknown" if free is None else f"{free / (1 << 20):.1f} MiB"
+        need_text = (
+            "" if needed is None else f", a checkpoint needs about {needed / (1 << 20):.1f} MiB"
+        )
+        return CheckpointSaveError(
+            f"could not save the checkpoint of step {step} under {self.root}: "
+            f"{'the disk is full' if full else 'the write failed'} ({free_text} free there"
+            f"{need_text}; {reason})"
+        )
 
     def refuse(self, step: int, reason: str, **fields: Any) -> None:
         """Records that the checkpoint of ``step`` was deliberately not written (its content
@@ -199,6 +229,7 @@ class CheckpointManager:
 
     def _write(self, step: int, write: Callable[[Path], None], manifest_from_writer: bool) -> Path:
         """Temporary directory -> files -> manifest -> fsync -> marker -> rename."""
+        self._free_at_failure = None
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{STEP_PREFIX}{step}-", dir=self.root))
         try:
@@ -218,91 +249,56 @@ class CheckpointManager:
             _fsync_dir(tmp)
             return self._publish(tmp, step)
         except BaseException:
+            self._free_at_failure = free_bytes(self.root)  # before the cleanup frees room
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    def _push_mirror(self, local: Path, step: int) -> None:
-        """Queues a fresh checkpoint's upload to the mirror; a failure is reported (an event),
-        never raised: the local checkpoint stands and the next push tries again."""
-        try:
-            self._start_uploader().submit(local, step)
-        except OSError as err:  # no room for the staging links
-            reason = error_line(err)
-            self._event("mirror_failed", step=step, url=self.mirror.url, reason=reason, attempts=0)
-
-    def _start_uploader(self) -> Uploader:
-        if self.uploader is None:
-            attempts, backoff_s = self.mirror_retry
-            self.uploader = Uploader(
-                self.mirror,
-                self.mirror_keep,
-                attempts=attempts,
-                backoff_s=backoff_s,
-                on_done=self._uploaded,
-            )
-        return self.uploader
-
-    def _uploaded(self, upload: Upload) -> None:
-        if upload.ok:
-            self._event(
-                "checkpoint_mirrored",
-                step=upload.step,
-                path=upload.detail,
-                seconds=round(upload.seconds, 3),
-                bytes=upload.bytes,
-                attempts=upload.attempts,
-                pruned=upload.pruned,
-            )
-        else:
-            self._event(
-                "mirror_failed",
-                step=upload.step,
-                url=self.mirror.url,
-                reason=upload.detail,
-                attempts=upload.attempts,
-            )
 
     def mirror_metrics(self) -> dict[str, float]:
         """The uploads that ended since the last call, as step metrics:
         ``checkpoint/mirror_upload_s`` and ``checkpoint/mirror_upload_mb`` (of those that
         completed), ``checkpoint/mirror_failures``, and ``checkpoint/mirror_pending`` (queued
         or under way now); ``{}`` before the first upload."""
-        if self.uploader is None:
-            return {}
-        done = self.uploader.take()
-        good = [u for u in done if u.ok]
-        metrics = {
-            "checkpoint/mirror_pending": float(self.uploader.pending),
-            "checkpoint/mirror_failures": float(len(done) - len(good)),
-        }
-        if good:
-            metrics["checkpoint/mirror_upload_s"] = sum(u.seconds for u in good)
-            metrics["checkpoint/mirror_upload_mb"] = sum(u.bytes for u in good) / 2**20
-        return metrics
+        return self.archive.metrics() if self.archive is not None else {}
 
     def abandon_mirror_after(self, step: int) -> None:
         """A rollback to ``step``: the mirror's copies of later steps lose their markers
         (no resume chooses them) behind the uploads already queued, and are deleted at the
         next upload's prune."""
-        if self.mirror is not None:
-            self._start_uploader().abandon_after(step)
+        if self.archive is not None:
+            self.archive.abandon_after(step)
 
-    def finish_uploads(self, timeout_s: float = 600.0) -> list[int]:
+    def finish_uploads(self, timeout_s: float = 600.0, grace_s: float = 30.0) -> list[int]:
         """Waits up to ``timeout_s`` for the mirror's queued uploads (the end of a run; a
         ``mirror_waiting`` event first when there are any); the steps left unfinished are
         reported (``mirror_unfinished``) and returned. Their local checkpoints are
-        untouched."""
-        if self.uploader is None:
+        untouched. SIGTERM or Ctrl-C during the wait gives the uploads ``grace_s`` more
+        before it is raised again."""
+        if self.archive is None:
             return []
-        if pending := self.uploader.pending:
-            self._event("mirror_waiting", uploads=pending, url=self.mirror.url, at_most_s=timeout_s)
-        unfinished = self.uploader.close(timeout_s)
-        self.uploader = None
-        if unfinished:
-            self._event(
-                "mirror_unfinished", steps=unfinished, url=self.mirror.url, waited_s=timeout_s
-            )
-        return unfinished
+        return self.archive.finish(timeout_s, grace_s)
+
+    def mirror_outcome(self) -> str | None:
+        """One line on the mirror's uploads that failed or did not finish in this run;
+        ``None`` when there is no mirror or every upload completed."""
+        return self.archive.outcome() if self.archive is not None else None
+
+    def check_mirror(self) -> None:
+        """Lists the mirror before a run relies on it (a missing bucket or folder is an empty
+        mirror, which the first upload makes).
+
+        Raises:
+            UserError: The mirror cannot be listed (an endpoint down, wrong credentials).
+        """
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.complete_steps()
+        except Exception as err:
+            raise UserError(
+                f"checkpoint.mirror_url={self.mirror.url} cannot be reached ({error_line(err)}); "
+                "fix its endpoint or credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... for "
+                "s3://), or leave checkpoint.mirror_url empty to train without a mirror"
+            ) from None
 
     def _publish(self, tmp: Path, step: int) -> Path:
         """Renames a finished temporary directory to ``step_<step>``, replacing an old one."""

@@ -12,13 +12,16 @@ when it is verified.
 Uploads run on a thread of their own (``Uploader``), so a step never waits for the network:
 the checkpoint is first hard-linked into ``.tmp-mirror-step_<N>-*`` beside it (its files are
 never rewritten, so the links hold the content even when retention deletes the checkpoint),
-then pushed, oldest first, with ``attempts`` tries each. A failure is an event; the local
-copy stands either way.
+then pushed, oldest first, with ``attempts`` tries each; after an upload failed every try,
+the next ones get one try each until one succeeds, so a mirror that is down costs one try per
+checkpoint. A failure is an event; the local copy stands either way.
 
 S3: ``s3://bucket/prefix`` through ``s3fs`` (``pip install 'honing[s3]'``), with credentials,
 region and endpoint from the standard AWS environment variables (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL`` for MinIO, moto or
-another S3 API) or the AWS config files.
+another S3 API) or the AWS config files. Each request waits at most s3fs's timeouts (5 s to
+connect, 15 s for an answer) and is tried twice by botocore (``AWS_MAX_ATTEMPTS`` overrides),
+never again by s3fs: a failed upload is tried again whole, by the ``Uploader``.
 
 Limits: one writer per mirror URL (point each run at its own); local mirrors are not fsync-ed
 (verification catches what a power loss tears).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import threading
@@ -40,6 +44,47 @@ from pathlib import Path
 
 from honing.checkpoint.manifest import MARKER, STEP_DIR, TMP_PREFIX
 from honing.errors import ConfigError, error_line
+
+S3_SCHEMES = ("s3", "s3a")
+S3_REQUEST_ATTEMPTS = 2  # botocore's tries per request, unless AWS_MAX_ATTEMPTS is set
+# S3's rules for a bucket name: 3-63 characters, lowercase letters, digits, dots and hyphens,
+# a letter or digit at each end, no two dots in a row, not an IP address
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IP = re.compile(r"\d+\.\d+\.\d+\.\d+")
+EXPECTED = "expected a directory path, file://PATH, s3://bucket/prefix or another fsspec URL"
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a mirror URL on its face, without reaching it: a path that is a
+    file (or lies under one), an ``s3://`` URL without a valid bucket name, a protocol
+    fsspec does not know; ``None`` when nothing is."""
+    import fsspec
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        return _path_problem(Path(rest if sep else url).expanduser())
+    if scheme in S3_SCHEMES:
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            return "names no bucket; expected s3://bucket/prefix"
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket or _IP.fullmatch(bucket):
+            return (
+                f"{bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, "
+                "dots and hyphens, a letter or digit at each end); expected s3://bucket/prefix"
+            )
+        return None
+    if scheme not in fsspec.available_protocols():
+        return f"{scheme}:// is not a protocol fsspec knows; {EXPECTED}"
+    return None
+
+
+def _path_problem(path: Path) -> str | None:
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file; {EXPECTED}"
+    return None
 
 
 class Mirror:
@@ -53,14 +98,26 @@ class Mirror:
         import fsspec  # only runs that mirror pay for the import
 
         self.url = url
+        problem = url_problem(url)
+        if problem is not None:
+            raise ConfigError(f"checkpoint.mirror_url={url}: {problem}")
+        s3 = url.partition("://")[0] in S3_SCHEMES
+        options = {}
+        if s3 and "AWS_MAX_ATTEMPTS" not in os.environ:
+            retries = {"max_attempts": S3_REQUEST_ATTEMPTS, "mode": "standard"}
+            options["config_kwargs"] = {"retries": retries}
         try:
             # a filesystem of its own: one cached by fsspec may hold another endpoint
-            self.fs, self.root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+            self.fs, self.root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
         except ImportError as err:  # fsspec names the package its protocol needs
-            extra = " (pip install 'honing[s3]')" if url.startswith(("s3://", "s3a://")) else ""
+            extra = " (pip install 'honing[s3]')" if s3 else ""
             raise ConfigError(f"checkpoint.mirror_url={url}: {err}{extra}") from None
-        except ValueError as err:  # an unknown protocol
-            raise ConfigError(f"checkpoint.mirror_url={url}: {err}") from None
+        except Exception as err:  # an unknown protocol, a host that does not resolve (ftp://)
+            raise ConfigError(
+                f"checkpoint.mirror_url={url}: cannot open it ({error_line(err)}); {EXPECTED}"
+            ) from None
+        if s3:  # s3fs's own retries off: the Uploader tries a failed upload again whole
+            self.fs.retries = 1
 
     def path_for(self, step: int) -> str:
         """Where the copy of ``step`` lives in the mirror's filesystem."""
@@ -205,6 +262,8 @@ class Uploader:
         mirror: where the copies go.
         keep: copies the mirror keeps (0 = all), applied after each successful push.
         attempts: tries per checkpoint; a try that fails waits ``backoff_s`` × its number.
+            After an upload failed every try, the next ones get one try each until one
+            succeeds.
         on_done: called on the upload thread with each ``Upload`` as it ends, until
             ``close``; what it raises is dropped (an upload never stops the others).
     """
@@ -225,8 +284,10 @@ class Uploader:
         self._queue: deque[tuple[Path, int] | tuple[None, int]] = deque()
         self._finished: list[Upload] = []
         self._current: int | None = None  # the step whose upload is under way
+        self._staging: Path | None = None  # and where its files are
         self._busy = False  # an item (an upload or an abandon) is under way
         self._closed = False
+        self._failing = False  # the last upload failed every try
         self._thread = threading.Thread(target=self._work, name="honing-mirror", daemon=True)
         self._thread.start()
 
@@ -267,23 +328,35 @@ class Uploader:
             done, self._finished = self._finished, []
         return done
 
-    def close(self, timeout_s: float) -> list[int]:
-        """Waits up to ``timeout_s`` for the queued work, then stops the thread; returns the
-        steps whose uploads did not end (the one under way finishes unreported; the queued
-        ones are dropped with their staging directories; their local checkpoints are
-        untouched)."""
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the queued work to end; returns whether it did. An
+        interrupt (Ctrl-C, SIGTERM) ends the wait and is raised; the uploads go on."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while (self._queue or self._busy) and time.monotonic() < deadline:
                 self._lock.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            return not (self._queue or self._busy)
+
+    def close(self, timeout_s: float = 0.0) -> list[int]:
+        """Waits up to ``timeout_s`` for the queued work (``wait``), then stops the thread;
+        returns the steps whose uploads did not end. The queued ones are dropped and the one
+        under way is cut off (its copy gets no marker, so it is never chosen, and the next
+        prune deletes it), their staging directories removed; their local checkpoints are
+        untouched."""
+        if timeout_s > 0:
+            self.wait(timeout_s)
+        with self._lock:
             self._closed = True
             dropped, self._queue = list(self._queue), deque()
             unfinished = [] if self._current is None else [self._current]
+            cut = self._staging if self._current is not None else None
             self._lock.notify_all()
         for staging, step in dropped:
             if staging is not None:
                 unfinished.append(step)
                 shutil.rmtree(staging, ignore_errors=True)
+        if cut is not None:
+            shutil.rmtree(cut, ignore_errors=True)
         return sorted(unfinished)
 
     def _work(self) -> None:
@@ -295,6 +368,7 @@ class Uploader:
                     return
                 staging, step = self._queue.popleft()
                 self._busy, self._current = True, step if staging is not None else None
+                self._staging = staging
             upload = None
             try:
                 if staging is None:
@@ -305,19 +379,21 @@ class Uploader:
             finally:
                 if staging is not None:
                     shutil.rmtree(staging, ignore_errors=True)
+                # reported while still busy, so that a wait for the queue covers the report
+                if upload is not None and self.on_done is not None and not self._closed:
+                    with contextlib.suppress(Exception):  # a closed log must not stop uploads
+                        self.on_done(upload)
                 with self._lock:
-                    self._busy, self._current = False, None
-                    closed = self._closed
+                    self._busy, self._current, self._staging = False, None, None
                     if upload is not None:
                         self._finished.append(upload)
+                        self._failing = not upload.ok
                     self._lock.notify_all()
-            if upload is not None and self.on_done is not None and not closed:
-                with contextlib.suppress(Exception):  # a closed log must not stop the uploads
-                    self.on_done(upload)
 
     def _push(self, staging: Path, step: int) -> Upload:
         started, detail, size = time.perf_counter(), "", 0
-        for attempt in range(1, self.attempts + 1):
+        attempts = 1 if self._failing else self.attempts
+        for attempt in range(1, attempts + 1):
             try:
                 size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
                 path = self.mirror.push(staging, step)
@@ -326,9 +402,13 @@ class Uploader:
                 return Upload(step, True, seconds, size, attempt, path, pruned)
             except Exception as err:  # the endpoint, the network, the credentials
                 detail = error_line(err)
-                if attempt < self.attempts:
+                if self._closed:  # cut off by close: no more tries
+                    return Upload(
+                        step, False, time.perf_counter() - started, size, attempt, detail, []
+                    )
+                if attempt < attempts:
                     time.sleep(self.backoff_s * attempt)
-        return Upload(step, False, time.perf_counter() - started, size, self.attempts, detail, [])
+        return Upload(step, False, time.perf_counter() - started, size, attempts, detail, [])
 
 
 def _link_or_copy(source: str, target: str) -> None:

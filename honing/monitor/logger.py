@@ -275,4 +275,8 @@ class RunLogger:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:
+            if exc is None:  # else the run's own error (a full disk) is the one it ends with
+                raise

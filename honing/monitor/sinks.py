@@ -8,7 +8,8 @@ distributions, see ``HistogramSink``), ``note`` (event lines), ``mark_restart`` 
 run redoes later steps) and ``log_report`` (the run's report file, at the end of the run); a
 sink without one is simply skipped for that call. Machine crashes (power loss) can still
 lose the last writes: files are flushed to the OS, not fsync-ed, except when rewritten by
-``truncate_jsonl``.
+``truncate_jsonl``. A JSONL write that fails (a full disk) is undone, so the file never holds
+half a line, and ends the run with one line (``UserError``).
 
 TensorBoard is imported inside ``TensorBoardSink`` only, so ``import honing.monitor`` stays
 light.
@@ -16,14 +17,18 @@ light.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from honing.errors import UserError
 
 
 class MetricSink(Protocol):
@@ -156,7 +161,9 @@ class JsonlSink:
 
     Opening an existing file appends to it. A last line without its final newline was torn
     by a crash: it is cut off when it is not valid JSON, else given its newline, so the next
-    record starts on a line of its own and the file holds only whole records.
+    record starts on a line of its own and the file holds only whole records. Each append
+    goes straight to the OS (no buffer) and a failed one is cut back off, so a full disk
+    leaves whole lines too.
 
     Args:
         path: The file; its parent directory is created if missing.
@@ -176,10 +183,9 @@ class JsonlSink:
             except ValueError:
                 os.truncate(self.path, start)  # half a record: drop it
                 tail = None
-        handle = self.path.open("a", encoding="utf-8")
+        handle = self.path.open("ab", buffering=0)
         if tail is not None:
-            handle.write("\n")
-            handle.flush()
+            self._write_whole(handle, b"\n")
         return handle
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -194,11 +200,38 @@ class JsonlSink:
         self.append([record])
 
     def append(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Appends records as they are (non-finite floats become null); flushes."""
+        """Appends records as they are (non-finite floats become null), all or none.
+
+        Raises:
+            UserError: The file cannot be written (a full disk); nothing of the records
+                stays in it.
+        """
         if self._file is None:
             raise ValueError(f"{self.path}: sink is closed")
-        self._file.writelines(to_json_line(record) for record in records)
-        self._file.flush()
+        data = "".join(to_json_line(record) for record in records).encode("utf-8")
+        self._write_whole(self._file, data)
+
+    def _write_whole(self, handle: Any, data: bytes) -> None:
+        start = os.lseek(handle.fileno(), 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[handle.write(view) :]
+        except OSError as err:
+            os.ftruncate(handle.fileno(), start)  # no half line
+            raise UserError(self._failure(err)) from None
+
+    def _failure(self, err: OSError) -> str:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(self.path.parent).free / (1 << 20)
+            return (
+                f"cannot write {self.path}: the disk is full ({free:.1f} MiB free there); "
+                "free some space, then resume with --resume auto"
+            )
+        return (
+            f"cannot write {self.path} ({err.strerror or err}); fix that, then resume with "
+            "--resume auto"
+        )
 
     def truncate_after(self, step: int) -> int:
         """Drops lines with a step greater than ``step`` (see ``truncate_jsonl``).

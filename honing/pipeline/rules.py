@@ -16,6 +16,7 @@ from honing.algorithms import (
     POLICY_LOSSES,
     AdvantageSettings,
 )
+from honing.checkpoint.mirror import url_problem
 from honing.config import Config
 from honing.errors import ConfigError
 from honing.pipeline.alerting import parse_rules
@@ -24,7 +25,8 @@ from honing.pipeline.alerting import parse_rules
 def check_config(config: Config, world_size: int = 1) -> None:
     """Raises ``ConfigError`` for the first rule ``config`` breaks; ``world_size``: the
     number of torchrun ranks the run is launched with."""
-    for check in (_algorithm, _routing, _monitor, _data, _rollout, _schedule, _strategy):
+    checks = (_algorithm, _routing, _monitor, _checkpoint, _data, _rollout, _schedule, _strategy)
+    for check in checks:
         check(config)
     _backend(config, world_size)
     _ranks(config, world_size)
@@ -92,6 +94,13 @@ def _monitor(config: Config) -> None:
             "monitor.alerts: rollback(kl_coef=...) needs algorithm.kl_coef > 0 (a reference "
             "model is loaded only then)"
         )
+
+
+def _checkpoint(config: Config) -> None:
+    url = config.checkpoint.mirror_url
+    problem = url_problem(url) if url else None
+    if problem is not None:
+        raise ConfigError(f"checkpoint.mirror_url={url}: {problem}")
 
 
 def _data(config: Config) -> None:

@@ -136,10 +136,12 @@ class Start:
 
 
 def prepare(config: Config, run_dir: Path, resume: str) -> Start:
-    """Chooses the checkpoint to resume from (``--resume auto|never|PATH``); a damaged one,
-    or ``never`` into a directory that holds a run, is a ``UserError``."""
+    """Checks that the mirror can be reached, then chooses the checkpoint to resume from
+    (``--resume auto|never|PATH``); a mirror that cannot be listed, a damaged checkpoint, or
+    ``never`` into a directory that holds a run, is a ``UserError``."""
     events = EventBuffer()
     checkpoints = checkpoint_manager(config, run_dir, on_event=events)
+    checkpoints.check_mirror()
     checkpoint = checkpoints.resolve(resume)
     if resume == "never" and _holds_run(run_dir, checkpoints):
         raise UserError(
@@ -241,8 +243,16 @@ def run_training(
             loop.run(start)
         finally:  # trackers that keep files (W&B, MLflow) get the report, of a stopped run too
             logger.log_report(write_report)
+            if mirrored := checkpoints.mirror_outcome():  # uploads that failed, or were cut off
+                log(mirrored)
     result = summary(run_dir)
-    write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
+    try:
+        write_atomic(run_dir / "summary.json", json.dumps(result, indent=1))
+    except OSError as err:  # a full disk
+        raise UserError(
+            f"cannot write {run_dir / 'summary.json'} ({err.strerror or err}); the run is "
+            "complete: free some space, then run it again with --resume auto for its summary"
+        ) from None
     return result
 
 

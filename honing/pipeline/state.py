@@ -23,8 +23,8 @@ A checkpoint that cannot be written (full disk) is reported by the manager as a
 training and tries again at the next scheduled save (room may come back, and stopping would
 lose the steps since the last checkpoint just the same), except when the save is required:
 the final one, or one a caller needs before stopping. Then the run stops with one line
-naming the directory and the free space (``UserError``, exit status 2, which the supervisor
-does not restart: a full disk needs a person).
+naming the directory, the free space and what a checkpoint needs (``UserError``, exit status
+2, which the supervisor does not restart: a full disk needs a person).
 
 The step's sampling seed is derived from (seed, step), so restoring the cursor, weights,
 optimizer and scheduler is enough for a resumed run to continue exactly as an uninterrupted
@@ -42,6 +42,7 @@ import torch
 from honing.checkpoint import CheckpointManager, CheckpointSaveError, verify
 from honing.config import Config, dump_yaml
 from honing.errors import UserError
+from honing.models.loading import is_lora
 from honing.pipeline.checkpoint_files import (
     TRAINER_STATE,
     load_engine_states,
@@ -52,6 +53,7 @@ from honing.pipeline.checkpoint_files import (
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
 from honing.pipeline.weight_sync import send_weights
+from honing.trainer.sharded import local_bytes
 
 STATE_JSON = "state.json"
 CONFIG_FILE = "config.yaml"
@@ -83,7 +85,8 @@ def save_training_state(
         (reported as a ``checkpoint_failed`` event; the next save tries again).
 
     Raises:
-        UserError: A required save failed; the message names the directory and free space.
+        UserError: A required save failed; the message names the directory, the free space
+            and what a checkpoint needs.
     """
     peers = peers or Alone()
     if required is None:
@@ -111,7 +114,7 @@ def save_training_state(
             (directory / CONFIG_FILE).write_text(dump_yaml(config))
 
         try:
-            return manager.save(step, write)
+            return manager.save(step, write, expected_bytes=checkpoint_bytes(parts, config))
         except CheckpointSaveError as err:
             if required:
                 raise UserError(f"{err}; free some space, then resume with --resume auto") from None
@@ -119,6 +122,21 @@ def save_training_state(
         finally:
             if not told:  # the save failed before writing: the others stop waiting
                 peers.tell(None)
+
+
+def checkpoint_bytes(parts: Components, config: Config) -> int:
+    """About what a checkpoint of ``parts`` takes on this process: the trained modules'
+    parameters (a LoRA policy's adapters only) and, when the optimizer is saved, AdamW's two
+    fp32 moments of each trained one. For the message of a save that finds no room."""
+    total = 0
+    for engine in parts.trainers.all():
+        params = list(engine.module.parameters())
+        trained = [p for p in params if p.requires_grad]
+        saved = trained if engine is parts.trainers.policy and is_lora(engine.module) else params
+        total += local_bytes(saved)
+        if config.checkpoint.save_optimizer:
+            total += 2 * 4 * sum(p.numel() for p in trained)
+    return total
 
 
 def save_part(parts: Components, config: Config, receive) -> None:

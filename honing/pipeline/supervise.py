@@ -163,14 +163,17 @@ def supervise(
                 f"training {_describe(returncode)}; restart {restarts} of {max_restarts} "
                 "with --resume auto"
             )
-            append_event(
-                run_dir,
-                "restart",
-                exit_status=exit_status(returncode),
-                reason=_describe(returncode),
-                restart=restarts,
-                max_restarts=max_restarts,
-            )
+            try:
+                append_event(
+                    run_dir,
+                    "restart",
+                    exit_status=exit_status(returncode),
+                    reason=_describe(returncode),
+                    restart=restarts,
+                    max_restarts=max_restarts,
+                )
+            except OSError as err:  # a full disk: the restart matters more than its record
+                log(f"could not record the restart in {run_dir / EVENTS_FILE} ({err})")
             time.sleep(restart_delay_s)
     finally:
         if main_thread:

@@ -182,7 +182,7 @@ def test_the_mirror_keeps_its_newest_copies_and_reports_uploads_as_metrics(tmp_p
 
     manager.save(5, writer(b"5" * 1000))
     deadline = time.monotonic() + 30
-    while manager.uploader.pending and time.monotonic() < deadline:
+    while manager.archive.uploader.pending and time.monotonic() < deadline:
         time.sleep(0.01)
     metrics = manager.mirror_metrics()
     assert metrics["checkpoint/mirror_pending"] == 0 and metrics["checkpoint/mirror_failures"] == 0
@@ -203,7 +203,7 @@ def test_a_flaky_mirror_is_tried_again(tmp_path):
     manager = CheckpointManager(
         tmp_path / "local", keep=3, mirror_url=str(tmp_path / "archive"), on_event=events
     )
-    manager.mirror_retry = (3, 0.0)
+    manager.archive.retry = (3, 0.0)
     push, calls = manager.mirror.push, []
 
     def flaky(local, step):
@@ -229,7 +229,7 @@ def test_uploads_still_running_at_the_end_are_reported_and_the_local_copies_stan
     manager.save(1, writer(b"one"))
     manager.save(2, writer(b"two"))
 
-    uploader = manager.uploader
+    uploader = manager.archive.uploader
     assert manager.finish_uploads(timeout_s=0.2) == [1, 2]
     assert events.kinds() == ["mirror_unfinished"] and events[0][1]["steps"] == [1, 2]
     assert events.waiting[0][1]["uploads"] == 2
@@ -249,7 +249,7 @@ def test_an_event_sink_that_raises_stops_no_upload(tmp_path):
     )
     for step in (1, 2):
         manager.save(step, writer(bytes([step])))
-    assert manager.uploader.close(timeout_s=30) == []
+    assert manager.archive.uploader.close(timeout_s=30) == []
     assert manager.mirror.complete_steps() == [1, 2]
 
 
@@ -343,11 +343,11 @@ def test_a_damaged_or_unfinished_mirror_copy_is_skipped(tmp_path):
 def test_a_failing_mirror_is_reported_and_the_local_checkpoint_stands(tmp_path):
     events = Events()
     blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
     manager = CheckpointManager(
         tmp_path / "local", keep=2, mirror_url=str(blocker / "archive"), on_event=events
     )
-    manager.mirror_retry = (2, 0.0)  # two tries, no wait between them
+    blocker.write_text("not a directory")  # made after the check of the URL at the start
+    manager.archive.retry = (2, 0.0)  # two tries, no wait between them
     path = manager.save(1, writer(b"one"))
     assert manager.finish_uploads() == []
     assert verify(path) is None

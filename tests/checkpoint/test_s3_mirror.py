@@ -3,7 +3,10 @@ in the background, the mirror's own retention, resuming on a machine whose run d
 gone, and an endpoint that dies mid-run."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 import threading
 import time
 
@@ -13,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from honing.backends.launch import train
-from tests.pipeline._configs import small_run_config
+from tests import warm
+from tests.pipeline._configs import cli_args, small_run_config
 from tests.s3_server import S3Server
 
 pytestmark = pytest.mark.slow
@@ -107,7 +111,8 @@ def test_an_endpoint_that_dies_mid_run_never_stops_training(
 
     killer = threading.Thread(target=kill_after_the_first_upload)
     killer.start()
-    train(small_run_config(micro_model_dir, digit_reward, **values), run_dir, log=lambda m: None)
+    lines = []
+    train(small_run_config(micro_model_dir, digit_reward, **values), run_dir, log=lines.append)
     killer.join()
 
     assert len(steps_of(run_dir)) == 5
@@ -116,7 +121,15 @@ def test_an_endpoint_that_dies_mid_run_never_stops_training(
     failed = [e for e in events if e["kind"] == "mirror_failed"]
     assert mirrored and failed and mirrored[-1] < 5
     assert sorted(mirrored + [e["step"] for e in failed]) == [1, 2, 3, 4, 5]
-    assert all(e["attempts"] == 2 and "Could not connect" in e["reason"] for e in failed)
+    assert all("Could not connect" in e["reason"] for e in failed)
+    # every try of the first that failed, then one try each: the mirror is down
+    assert [e["attempts"] for e in failed] == [2] + [1] * (len(failed) - 1)
+    steps = ", ".join(str(e["step"]) for e in failed)
+    assert lines[-1] == (
+        f"checkpoint.mirror_url=s3://honing-runs/dies: {len(failed)} of 5 uploads failed "
+        f"(steps {steps}; the last: {failed[-1]['reason']}); the local checkpoints stand "
+        "(events.jsonl: mirror_failed, mirror_unfinished)"
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_5"]
     failures = sum(m.get("checkpoint/mirror_failures", 0) for m in steps_of(run_dir))
     assert failures <= len(failed)  # the last ones end after the last step's metrics
@@ -148,3 +161,86 @@ def test_an_unreachable_bucket_is_an_error_not_a_fresh_start(s3, tmp_path):
         manager = CheckpointManager(tmp_path / "local", keep=2, mirror_url=url)
         with pytest.raises(UserError, match="cannot be read .*Could not connect"):
             manager.resolve("auto")
+
+
+def wait_for(condition, what, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_sigterm_during_the_wait_for_uploads_gives_them_their_grace(
+    s3, micro_model_dir, digit_reward, tmp_path
+):
+    """The S3 server stops answering (SIGSTOP) once the run has started, so the uploads hang
+    and the run's end waits for them. SIGTERM then does not cut the wait short: the server
+    answers again a second later, the uploads complete within the grace, and the run exits
+    143 with no staging directory left."""
+    run_dir = tmp_path / "run"
+    settings = {
+        "trainer.total_steps": 2,
+        "checkpoint.every": 1,
+        "checkpoint.mirror_url": "s3://honing-runs/term",
+    }
+    args = cli_args(micro_model_dir, digit_reward, run_dir, **settings)
+    with (tmp_path / "stderr").open("w") as stderr:
+        run = subprocess.Popen(warm.honing("train", *args), stderr=stderr, text=True)
+    try:
+        wait_for(lambda: (run_dir / "config.yaml").exists(), "start")  # the mirror was listed
+        os.kill(s3.process.pid, signal.SIGSTOP)
+        wait_for(lambda: "mirror_waiting" in _text(run_dir / "events.jsonl"), "end of training")
+        run.send_signal(signal.SIGTERM)
+        terminated = time.monotonic()
+        time.sleep(1.0)
+        os.kill(s3.process.pid, signal.SIGCONT)
+        run.wait(timeout=120)
+    finally:
+        os.kill(s3.process.pid, signal.SIGCONT)
+        if run.poll() is None:
+            run.kill()
+
+    assert run.returncode == 143, (tmp_path / "stderr").read_text()
+    assert time.monotonic() - terminated >= 1.0
+    events = events_of(run_dir)
+    assert sorted(e["step"] for e in events if e["kind"] == "checkpoint_mirrored") == [1, 2]
+    assert "mirror_unfinished" not in [e["kind"] for e in events]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+
+
+def _text(path):
+    return path.read_text() if path.exists() else ""
+
+
+def test_the_grace_ends_with_what_is_unfinished_reported_and_staging_removed(s3, tmp_path):
+    """SIGTERM during the end-of-run wait on uploads that cannot end (the server stopped):
+    after the grace they are a ``mirror_unfinished`` event, their staging directories are
+    gone, and the interrupt goes on."""
+    from honing.checkpoint import CheckpointManager
+    from honing.cli import stop_on_sigterm
+    from honing.errors import Terminated
+
+    events = []
+    local = tmp_path / "local"
+    manager = CheckpointManager(
+        local,
+        keep=3,
+        mirror_url="s3://honing-runs/grace",
+        on_event=lambda kind, **fields: events.append((kind, fields)),
+    )
+    manager.check_mirror()
+    os.kill(s3.process.pid, signal.SIGSTOP)
+    for step in (1, 2):
+        manager.save(step, lambda directory: (directory / "weights.bin").write_bytes(b"w" * 100))
+
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    with stop_on_sigterm(), pytest.raises(Terminated):
+        manager.finish_uploads(timeout_s=600, grace_s=1.0)
+    elapsed = time.monotonic() - started
+
+    assert 1.3 <= elapsed < 10
+    assert [kind for kind, _ in events] == ["mirror_waiting", "mirror_unfinished"]
+    assert events[1][1]["steps"] == [1, 2]
+    assert sorted(os.listdir(local)) == ["step_1", "step_2"]  # no .tmp-mirror-* left
+    assert "did not finish (steps 1, 2)" in manager.mirror_outcome()

@@ -19,3 +19,11 @@ def small_run_config(model_dir, reward: str, **overrides) -> Config:
     """``BASE`` for ``model_dir`` scored by ``reward``, with ``overrides`` on top."""
     values = BASE | {"model.path": str(model_dir), "reward.function": reward}
     return build_config(values | overrides)
+
+
+def cli_args(model_dir, reward: str, run_dir=None, **overrides) -> list[str]:
+    """``BASE`` with ``overrides`` as ``honing train`` arguments (``--output-dir`` when
+    ``run_dir`` is given)."""
+    values = BASE | {"model.path": str(model_dir), "reward.function": reward} | overrides
+    args = [f"{key}={value}" for key, value in values.items()]
+    return args if run_dir is None else [*args, "--output-dir", str(run_dir)]
