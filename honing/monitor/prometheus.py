@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -137,9 +138,7 @@ class PrometheusSink:
         try:
             self._server = ThreadingHTTPServer((host, port), _handler_for(self))
         except OSError as error:
-            raise ConfigError(
-                f"monitor.prometheus_port={port}: cannot listen on {host}:{port} ({error})"
-            ) from None
+            raise _port_error(port, host, error) from None
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(
@@ -209,6 +208,31 @@ class PrometheusSink:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def check_port(port: int, host: str = "127.0.0.1") -> None:
+    """Fails now, before a run writes anything, when ``PrometheusSink`` could not listen on
+    ``host:port``: binds it as the server will (address reuse on) and lets it go. A port
+    taken between this check and the sink's start is refused by the sink.
+
+    Raises:
+        ConfigError: The port is in use or not ours to bind.
+    """
+    with socket.socket(ThreadingHTTPServer.address_family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, ThreadingHTTPServer.allow_reuse_address
+        )
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise _port_error(port, host, error) from None
+
+
+def _port_error(port: int, host: str, error: OSError) -> ConfigError:
+    return ConfigError(
+        f"monitor.prometheus_port={port}: cannot listen on {host}:{port} ({error}); choose "
+        "another port, or 0 for none"
+    )
 
 
 def _handler_for(sink: PrometheusSink) -> type[BaseHTTPRequestHandler]:

@@ -22,11 +22,13 @@ from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.host import configure_host
 from honing.monitor import RunLogger
+from honing.monitor.prometheus import check_port
 from honing.monitor.report import write_report
 from honing.pipeline.alerting import set_aside_newer
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.loop import TrainLoop
 from honing.pipeline.peers import Peers
+from honing.pipeline.run_lock import RunLock
 from honing.pipeline.state import CONFIG_FILE, adjustments, load_training_state
 
 
@@ -127,28 +129,46 @@ class EventBuffer:
 
 @dataclass
 class Start:
-    """What is settled before anything loads: the checkpoint manager, the checkpoint to
-    resume from (None: from scratch) and the events found while choosing it."""
+    """What is settled before anything loads: the run directory's lock (held until
+    ``release``), the checkpoint manager, the checkpoint to resume from (None: from scratch)
+    and the events found while choosing it."""
 
+    lock: RunLock
     checkpoints: CheckpointManager
     checkpoint: Path | None
     events: EventBuffer
 
+    def release(self) -> None:
+        """Lets the run directory go (the end of the run, or a failure before it)."""
+        self.lock.release()
+
 
 def prepare(config: Config, run_dir: Path, resume: str) -> Start:
-    """Checks that the mirror can be reached, then chooses the checkpoint to resume from
-    (``--resume auto|never|PATH``); a mirror that cannot be listed, a damaged checkpoint, or
-    ``never`` into a directory that holds a run, is a ``UserError``."""
-    events = EventBuffer()
-    checkpoints = checkpoint_manager(config, run_dir, on_event=events)
-    checkpoints.check_mirror()
-    checkpoint = checkpoints.resolve(resume)
-    if resume == "never" and _holds_run(run_dir, checkpoints):
-        raise UserError(
-            f"{run_dir} already holds a run; pass --resume auto to continue it, "
-            "or choose another --output-dir"
-        )
-    return Start(checkpoints, checkpoint, events)
+    """What the run needs of the outside, checked before anything is written: the Prometheus
+    port free, the run directory locked for this run alone, the mirror reachable; then the
+    checkpoint to resume from (``--resume auto|never|PATH``). Each failure is a ``UserError``
+    that leaves the run directory as it was (a damaged checkpoint, ``never`` into a directory
+    that holds a run, another run writing it)."""
+    if config.monitor.prometheus_port > 0:
+        check_port(config.monitor.prometheus_port, config.monitor.prometheus_host)
+    lock = RunLock(run_dir)
+    leftover = lock.acquire()
+    try:
+        events = EventBuffer()
+        if leftover is not None:  # its holder died without releasing it: the kernel did
+            events("lock_taken_over", path=str(lock.path), previous=leftover)
+        checkpoints = checkpoint_manager(config, run_dir, on_event=events)
+        checkpoints.check_mirror()
+        checkpoint = checkpoints.resolve(resume)
+        if resume == "never" and _holds_run(run_dir, checkpoints):
+            raise UserError(
+                f"{run_dir} already holds a run; pass --resume auto to continue it, "
+                "or choose another --output-dir"
+            )
+    except BaseException:
+        lock.release()
+        raise
+    return Start(lock, checkpoints, checkpoint, events)
 
 
 def stderr_log(message: str) -> None:
@@ -166,13 +186,16 @@ def train_here(
     ``build_components``, or the Ray backend's, which swaps in its pools), train, close."""
     log = log or stderr_log
     start = prepare(config, run_dir, resume)
-    configure_host(config.trainer.threads)
-    torch.manual_seed(config.trainer.seed)
-    parts = (build or build_components)(config, log)
     try:
-        return run_training(config, run_dir, parts, start, log)
+        configure_host(config.trainer.threads)
+        torch.manual_seed(config.trainer.seed)
+        parts = (build or build_components)(config, log)
+        try:
+            return run_training(config, run_dir, parts, start, log)
+        finally:
+            close(parts)
     finally:
-        close(parts)
+        start.release()
 
 
 def close(parts: Components) -> None:

@@ -6,7 +6,8 @@ counts as a crash: death by a signal (``kill -9``, the OOM killer, a segfault) o
 other than the ones that mean "do not try again":
 
     0    the run finished
-    2    a user error (bad config, data, full disk): the same input fails the same way
+    2    a user error (bad config, data, full disk, another run writing the run directory):
+         the same input fails the same way
     3    stopped by an alert rule (``RunStopped``)
     130  interrupted by Ctrl-C
     143  terminated by SIGTERM (the scheduler, or the supervisor passing its own on)

@@ -417,3 +417,22 @@ def test_workers_record_each_tokens_experts_for_replay(cluster, tmp_path, moe_di
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines if '"actor/pg_loss"' in line]
     assert len(steps) == 2 and all(s["moe/rollout_router_match"] >= 0.99 for s in steps)
+
+
+def test_the_trainer_actor_takes_the_run_directorys_lock(
+    cluster, tmp_path, micro_model_dir, digit_reward
+):
+    """The trainer actor writes the run directory, so it takes its lock: a run into one that
+    another process holds is refused with one line and writes nothing."""
+    from honing.pipeline.run_lock import LOCK_FILE, RunLock
+
+    run_dir = tmp_path / "run"
+    holder = RunLock(run_dir)
+    holder.acquire()
+    config = small_run_config(micro_model_dir, digit_reward, **{"pipeline.backend": "ray"})
+    try:
+        with pytest.raises(UserError, match=r"is being written by another honing train \(pid "):
+            train(config, run_dir, log=lambda message: None)
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE]
+    finally:
+        holder.release()

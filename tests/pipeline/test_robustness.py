@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import socket
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from honing.pipeline.rules import check_config
 from honing.trainer.engine import TrainedModule
 from honing.trainer.policy_update import UpdateSettings, update_policy
 
-from ._configs import small_run_config
+from ._configs import cli_args, small_run_config
 
 NO_LOG = lambda message: None  # noqa: E731
 
@@ -220,3 +221,29 @@ def test_bad_yaml_in_an_override_is_a_config_error():
     with pytest.raises(ConfigError, match=r"data.train_files: '\[a.jsonl' is not a valid value"):
         resolve_config(None, ["data.train_files=[a.jsonl"], environ={})
     assert issubclass(ConfigError, UserError)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_prometheus_port_in_use_is_refused_before_anything_is_written(
+    tmp_path, micro_model_dir, digit_reward, capsys, existing
+):
+    """Also into a run directory that holds a run: it is left as it was."""
+    run_dir = tmp_path / "run"
+    settings = {"trainer.total_steps": 1, "monitor.tensorboard": True}
+    if existing:
+        train(small_run_config(micro_model_dir, digit_reward, **settings), run_dir, log=NO_LOG)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} if existing else {}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings["monitor.prometheus_port"] = port
+        status = main(["train", *cli_args(micro_model_dir, digit_reward, run_dir, **settings)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"honing: error: monitor.prometheus_port={port}: cannot listen on")
+    assert err[0].endswith("choose another port, or 0 for none")
+    if existing:
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    else:
+        assert not run_dir.exists()  # no config.yaml, no tensorboard/
