@@ -260,7 +260,7 @@ class MemoryConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     # local: everything in this process (threads); ray: the trainer, rollout workers and reward
-    # workers are Ray actors (honing/pipeline/ray_backend.py), on a local or existing cluster.
+    # workers are Ray actors (honing/backends/ray_run.py), on a local or existing cluster.
     backend: str = _opt("local", choices=("local", "ray"))
     ray_address: str = _opt("")  # "" = start a local Ray instance; "auto" or host:port = join
     rollout_workers: int = _opt(2, ge=1)  # ray: actors sampling with the policy's weights

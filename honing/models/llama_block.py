@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# transformers class name -> model_type; all three share the Llama decoder block.
+# transformers class name -> model_type; each shares the Llama decoder block (the MoE ones
+# with routed experts in place of its MLP).
 SUPPORTED_CLASSES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
