@@ -40,6 +40,7 @@ from honing.pipeline.weight_sync import send_weights
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
+    Holding,
     RolloutEngine,
     SamplingParams,
     chunked,
@@ -302,12 +303,6 @@ class SpreadEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self.local.weight_version
-
-    @property
-    def shares_policy(self) -> bool:
-        """As rank 0's engine: it shares a replicated policy (the others' copies follow the
-        updates), or has its own copy of a sharded one (every rank's takes the weights)."""
-        return self.local.shares_policy
 
     def load_weights(self, version: int, weights=None) -> None:
         self.local.load_weights(version, weights)
