@@ -219,7 +219,7 @@ class Leader:
         wire = payload.for_wire() if isinstance(payload, UpdateInputs) else payload
         message = {"op": op, "payload": wire}
         if self.send_state:
-            message["state"] = {e.role: e.state() for e in self.parts.trainers.all()}
+            message["state"] = {t.role: t.state() for t in self.parts.trainers.all()}
             self.send_state = False
         dist.broadcast_object_list([message], src=0, group=self.group)
         self.busy = self.announced = True
@@ -266,9 +266,9 @@ def follow(parts: Components, group, config: Config) -> bool:
         op, payload = message["op"], message.get("payload")
         if op == "stop":
             return not message["failed"]
-        for engine in parts.trainers.all():
-            if engine.role in message.get("state", {}):
-                engine.load_state(message["state"][engine.role])
+        for trainer in parts.trainers.all():
+            if trainer.role in message.get("state", {}):
+                trainer.load_state(message["state"][trainer.role])
         if op == "update":
             apply_update(parts.trainers, payload)
         elif op == "generate":

@@ -210,10 +210,10 @@ def engine_states(parts: Components, config: Config) -> dict[str, dict]:
     """Each trainer engine's state by role (the policy's weights are the Hugging Face files)."""
     policy = parts.trainers.policy
     return {
-        engine.role: engine.state(
-            module=engine is not policy, optimizer=config.checkpoint.save_optimizer
+        trainer.role: trainer.state(
+            module=trainer is not policy, optimizer=config.checkpoint.save_optimizer
         )
-        for engine in parts.trainers.all()
+        for trainer in parts.trainers.all()
     }
 
 
@@ -243,14 +243,14 @@ def load_engine_states(parts: Components, checkpoint: Path, state: dict) -> dict
         return state["trainers"]
     kept = state["sharded"]
     template = {}
-    for engine in parts.trainers.all():
-        if engine.role not in kept:
+    for trainer in parts.trainers.all():
+        if trainer.role not in kept:
             continue
-        fields = kept[engine.role]
-        full = engine.state(
+        fields = kept[trainer.role]
+        full = trainer.state(
             module="module" in fields, optimizer="optimizer" in fields, template=True
         )
-        template[engine.role] = {key: full[key] for key in fields}
+        template[trainer.role] = {key: full[key] for key in fields}
     parts.trainers.policy.load_shards(template, checkpoint / SHARDS)
     for role, schedule in state["schedules"].items():
         template.setdefault(role, {})["scheduler"] = schedule

@@ -187,13 +187,13 @@ def build_components(config: Config, log=print, group=None) -> Components:
     layout = trainer_layout(config, group, log)
     # A sharded policy cannot sample on one rank alone: generation gets a whole copy of its
     # own (the engine's generation_module), which takes the weights after each update.
-    policy_engine = policy_trainer(config, policy, layout)
-    policy, sampler = policy_engine.module, policy_engine.generation_module
+    trainer = policy_trainer(config, policy, layout)
+    policy, sampler = trainer.module, trainer.generation_module
     if config.trainer.packed_forward and (reason := packed_supported(policy)) is not True:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
-        reference = policy_engine.lay_out_alike(frozen_model(model_path, tokenizer, config, device))
+        reference = trainer.lay_out_alike(frozen_model(model_path, tokenizer, config, device))
     rendered, prompt_ids = tokenize_prompts(
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
@@ -206,7 +206,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
     engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     trainers = Trainers(
-        policy=policy_engine,
+        policy=trainer,
         critic=critic_trainer(config, model_path, tokenizer, device, layout),
         mtp=mtp_trainer(config, local),
     )

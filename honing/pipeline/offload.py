@@ -101,7 +101,7 @@ class Offloader:
     def _move(self, device: torch.device) -> float:
         """Moves the idle state to ``device``; returns the gigabytes moved."""
         parts = self.parts
-        moved = sum(engine.offload(device) for engine in parts.trainers.all())
+        moved = sum(trainer.offload(device) for trainer in parts.trainers.all())
         if parts.reference is not None:
             moved += sum(p.numel() * p.element_size() for p in parts.reference.parameters())
             parts.reference.to(device)

@@ -129,10 +129,10 @@ def checkpoint_bytes(parts: Components, config: Config) -> int:
     parameters (a LoRA policy's adapters only) and, when the optimizer is saved, AdamW's two
     fp32 moments of each trained one. For the message of a save that finds no room."""
     total = 0
-    for engine in parts.trainers.all():
-        params = list(engine.module.parameters())
+    for trainer in parts.trainers.all():
+        params = list(trainer.module.parameters())
         trained = [p for p in params if p.requires_grad]
-        saved = trained if engine is parts.trainers.policy and is_lora(engine.module) else params
+        saved = trained if trainer is parts.trainers.policy and is_lora(trainer.module) else params
         total += local_bytes(saved)
         if config.checkpoint.save_optimizer:
             total += 2 * 4 * sum(p.numel() for p in trained)
@@ -158,15 +158,15 @@ def non_finite_tensors(parts: Components) -> tuple[list[str], int]:
     from torch.distributed.tensor import DTensor
 
     bad, checked = [], 0
-    for engine in parts.trainers.all():
+    for trainer in parts.trainers.all():
         named = [
             (name, p.to_local() if isinstance(p, DTensor) else p)
-            for name, p in engine.module.named_parameters()
+            for name, p in trainer.module.named_parameters()
         ]
         checked += len(named)
         finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
         bad += [
-            f"{engine.role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok
+            f"{trainer.role}:{name}" for (name, _), ok in zip(named, finite, strict=True) if not ok
         ]
     policy = parts.trainers.policy
     if policy.is_sharded:  # every rank's shards: the count is all of theirs
@@ -233,10 +233,10 @@ def load_engines(parts: Components, checkpoint: Path, state: dict) -> None:
     ``trainer_state.pt`` is ``state``); every rank of a sharded run runs it."""
     load_policy(parts, checkpoint)
     states = load_engine_states(parts, checkpoint, state)
-    for engine in parts.trainers.all():
-        if engine.role in states:
-            engine.load_state(states[engine.role])
-        elif engine.role == "critic":
+    for trainer in parts.trainers.all():
+        if trainer.role in states:
+            trainer.load_state(states[trainer.role])
+        elif trainer.role == "critic":
             raise UserError(
                 f"checkpoint {checkpoint} has no critic; it was not trained with "
                 "algorithm.advantage=gae"

@@ -46,7 +46,7 @@ class ValueModel(nn.Module):
 
 
 def update_critic(
-    engine: TrainerEngine,
+    trainer: TrainerEngine,
     batch: TrainBatch,
     old_values: torch.Tensor,
     returns: torch.Tensor,
@@ -55,18 +55,18 @@ def update_critic(
     clip: float,
     generator: torch.Generator,
 ) -> dict[str, float]:
-    """Fit the critic (``engine.module``, a ``ValueModel``) to ``returns`` ([B, R]) over the
+    """Fit the critic (``trainer.module``, a ``ValueModel``) to ``returns`` ([B, R]) over the
     mini-batches ``settings`` and ``generator`` draw, with the policy's micro-batch size and
     gradient clipping; across processes as ``update_policy``: each its rows, gradients and
     metric sums reduced, the same optimizer step everywhere."""
-    critic = engine.module
+    critic = trainer.module
     critic.train()
     totals: dict[str, torch.Tensor] = {}
     steps = 0
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
-        engine.zero_grad()
-        for micro_index, real in engine.rows(index, settings.micro_batch_size):
+        trainer.zero_grad()
+        for micro_index, real in trainer.rows(index, settings.micro_batch_size):
             micro = batch.select(micro_index).masked_after(real)
             width = micro.responses.shape[1]
             values = critic(micro)  # [b, R]
@@ -84,9 +84,9 @@ def update_critic(
             totals["critic/vf_clipfrac"] = (
                 totals.get("critic/vf_clipfrac", 0) + metrics["critic/vf_clipfrac"] * share
             )
-        engine.step(settings.grad_clip)
+        trainer.step(settings.grad_clip)
         steps += 1
-    totals = engine.reduce(totals)
+    totals = trainer.reduce(totals)
     mask = batch.response_mask
     return {
         **{k: float(v) / steps for k, v in totals.items()},

@@ -21,15 +21,15 @@ MTP_TOKENS = 1024  # chain starts per step (a random subset of the response posi
 
 
 def train_mtp(
-    engine: TrainerEngine,
+    trainer: TrainerEngine,
     policy,
     batch: TrainBatch,
     generator: torch.Generator,
 ) -> dict[str, float]:
-    """One optimizer step of the heads (``engine.module``, ``MtpHeads``) on ``batch``; returns
+    """One optimizer step of the heads (``trainer.module``, ``MtpHeads``) on ``batch``; returns
     ``mtp/loss`` (mean over heads and positions), ``mtp/accuracy`` (head 1's top-1 accuracy)
     and ``timing_s/mtp``."""
-    heads: MtpHeads = engine.module
+    heads: MtpHeads = trainer.module
     started = time.perf_counter()
     with torch.no_grad():
         hidden = (
@@ -72,9 +72,9 @@ def train_mtp(
         if j == 0:
             accuracy = float((logits.argmax(-1) == targets).float()[valid].mean())
     loss = torch.stack(losses).sum() / torch.stack(weights).sum()
-    engine.zero_grad()
+    trainer.zero_grad()
     loss.backward()
-    engine.step(grad_clip=0.0)
+    trainer.step(grad_clip=0.0)
     return {
         "mtp/loss": float(loss.detach()),
         "mtp/accuracy": accuracy,

@@ -151,7 +151,7 @@ def _rows(index: torch.Tensor, width: int):
 
 
 def update_policy(
-    engine: TrainerEngine,
+    trainer: TrainerEngine,
     batch: TrainBatch,
     advantages: torch.Tensor,
     settings: UpdateSettings,
@@ -160,8 +160,8 @@ def update_policy(
     ref_logprobs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
-    """Run the PPO epochs on ``batch`` with the policy's trainer ``engine``; returns the step's
-    actor metrics as floats.
+    """Run the PPO epochs on ``batch`` with the policy's trainer engine ``trainer``; returns
+    the step's actor metrics as floats.
 
     An optimizer step whose gradient norm is not finite is skipped (counted in
     ``actor/skipped_updates``) rather than let NaN into the weights.
@@ -169,13 +169,13 @@ def update_policy(
     ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are [B, R] aligned with
     ``batch.responses``. ``old_logprobs`` may be None only for one optimizer step per batch.
 
-    Across processes (``engine``'s layout: torchrun ranks, each called with the same batch and
+    Across processes (``trainer``'s layout: torchrun ranks, each called with the same batch and
     the same weights and optimizer state) each process runs its rows of each mini-batch;
     losses are normalised by the whole mini-batch's counts as always, so the reduced
     gradients give the single-process step on every process. Metrics are reduced likewise.
     """
     generator = generator or torch.Generator().manual_seed(0)
-    model = engine.module
+    model = trainer.module
     if not model.training:  # a module walk: only when generation left it in eval mode
         model.train()
     totals: dict[str, torch.Tensor] = {}
@@ -188,8 +188,8 @@ def update_policy(
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
-        engine.zero_grad()
-        for micro_index, real in engine.rows(index, settings.micro_batch_size):
+        trainer.zero_grad()
+        for micro_index, real in trainer.rows(index, settings.micro_batch_size):
             micro = batch.select(micro_index).masked_after(real)
             rows = _rows(micro_index, micro.responses.shape[1])
             tap = None
@@ -208,17 +208,17 @@ def update_policy(
             )
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
-        norm, stepped = engine.step(settings.grad_clip)
+        norm, stepped = trainer.step(settings.grad_clip)
         optimizer_steps += 1
         if stepped:
             grad_norms.append(norm)
         else:
             skipped += 1
-    totals = engine.reduce(totals)
+    totals = trainer.reduce(totals)
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     if stats is not None:
-        sums = host_sums(engine.reduce(stats.sums()))
+        sums = host_sums(trainer.reduce(stats.sums()))
         metrics |= moe_metrics(sums, routers.layers, routers.num_experts)
     return metrics
