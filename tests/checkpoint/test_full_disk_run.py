@@ -146,3 +146,27 @@ def test_a_full_disk_while_logging_ends_the_run_with_one_line_and_whole_lines(
         [json.loads(line) for line in text.splitlines()]  # every line whole
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
     assert 0 < len(steps) < 9 and steps == list(range(len(steps)))
+
+
+def test_an_event_that_finds_no_room_is_cut_off_whole(tmpfs):
+    """``events.jsonl`` on a full disk: the event that does not fit leaves nothing of itself,
+    the error is one line, and once there is room again the log goes on."""
+    from honing.monitor import RunLogger
+
+    disk = tmpfs("8k")
+    filler = disk / "filler"
+    logger = RunLogger(disk / "run", total_steps=1, tensorboard=False, console=False)
+    filler.write_bytes(bytes(4096))
+    logger.log_event("small", note="x" * 100)
+    with pytest.raises(UserError) as raised:
+        logger.log_event("large", note="y" * 8000)
+    message = str(raised.value)
+    assert message == (
+        f"cannot write {disk / 'run' / 'events.jsonl'}: the disk is full (0.0 MiB free there); "
+        "free some space, then resume with --resume auto"
+    )
+    filler.unlink()
+    logger.log_event("after", note="z")
+    logger.close()
+    kinds = [json.loads(line)["kind"] for line in (disk / "run" / "events.jsonl").open()]
+    assert kinds == ["small", "after"]
