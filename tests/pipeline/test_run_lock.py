@@ -61,7 +61,7 @@ def test_a_second_run_into_a_running_runs_directory_is_refused(
                 micro_model_dir,
                 digit_reward,
                 run_dir,
-                **{"trainer.total_steps": 12, "trainer.seed": 1},
+                **{"trainer.total_steps": 6, "trainer.seed": 1},
             ),
         ),
         stderr=subprocess.PIPE,
@@ -89,7 +89,7 @@ def test_a_second_run_into_a_running_runs_directory_is_refused(
     assert "run:" not in second.stdout  # no accuracy printed for a run that did not train
     assert running and first.returncode == 0, first_err
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
-    assert steps == list(range(13))  # the first run's, once each
+    assert steps == list(range(7))  # the first run's, once each
     assert "seed: 1" in (run_dir / "config.yaml").read_text()
     assert not (run_dir / LOCK_FILE).exists()  # released at the end
 
