@@ -192,7 +192,7 @@ def _model_and_step(doctor: _Doctor, config: Config) -> None:
         scratch = tempfile.mkdtemp(prefix="honing-doctor-")
         try:
             with RunLogger(scratch, total_steps=1, tensorboard=False, console=False) as logger:
-                metrics = TrainLoop(config, parts, logger, checkpoints=None).train_step(1)
+                metrics = TrainLoop(config, parts, logger, checkpoints=None).step_alone(1)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             parts.scorer.close()

@@ -252,6 +252,17 @@ class TrainLoop:
         self._record(step, got, metrics)
         return metrics
 
+    def step_alone(self, step: int) -> dict[str, float]:
+        """One step outside ``run`` (``honing doctor``): its batch made inline, whatever
+        ``schedule.mode`` says."""
+        seed = self.config.trainer.seed
+        seed_of = lambda step: step_seed(seed, step)  # noqa: E731
+        self.schedule = Inline(self.config, self.parts, self.peers, self.offload, seed_of)
+        try:
+            return self.train_step(step)
+        finally:
+            self.schedule = None
+
     def _policy_acts(self, step: int) -> bool:
         """Whether the policy updates at ``step``: PPO's critic fits the values first, and
         during its warm-up the policy waits (its learning-rate schedule too)."""
