@@ -42,8 +42,8 @@ def run(tmp_path, micro_model_dir, policy):
     return status, [json.loads(line) for line in path.open()] if path.exists() else []
 
 
-def test_error_policy_stops_with_one_line(tmp_path, micro_model_dir, capsys):
-    status, _ = run(tmp_path, micro_model_dir, "error")
+def test_fail_policy_stops_with_one_line(tmp_path, micro_model_dir, capsys):
+    status, _ = run(tmp_path, micro_model_dir, "fail")
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("honing: error: reward function")
