@@ -1,35 +1,65 @@
 """The ``honing train`` entry point on bad input: one line on stderr, exit 2, nothing written.
 
-Each case runs the command in a process of its own, so the test sees exactly what a user sees
-(stderr, exit status, files left behind): started warm (``tests/warm.py``), or as the real
-interpreter where how it starts is what is checked. All of them fail before training starts.
+Each case runs the command as ``honing.cli.main(argv)`` in the test's process, with the
+environment, working directory and stderr a user's command would have; in a process of its
+own only where how it starts is what is checked (under a wrapper, a fresh interpreter, the
+supervisor's child). All of them fail before training starts.
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from honing.cli import main
 from honing.config import ENV_KEYS
 from tests import warm
 
 
-def run_train(
-    tmp_path, *args: str, env: dict | None = None, wrap=(), cold=False
-) -> subprocess.CompletedProcess:
-    """``honing train ARGS`` in a process of its own (``env`` added to a clean environment;
-    ``wrap``: a command the process runs under, with the interpreter started afresh, as with
-    ``cold``)."""
+@dataclass
+class Ran:
+    """What a user sees of a command: its exit status and what it wrote to stderr."""
+
+    returncode: int
+    stderr: str
+
+
+def run_cli(argv: list[str], cwd: Path, env: dict[str, str]) -> Ran:
+    """``honing ARGV`` in this process, in ``cwd`` with exactly ``env``; both restored."""
+    saved_env, saved_cwd, stderr = dict(os.environ), os.getcwd(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                status = main(argv)
+            except SystemExit as exited:  # argparse's usage errors
+                status = exited.code
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return Ran(status, stderr.getvalue())
+
+
+def run_train(tmp_path, *args: str, env: dict | None = None, wrap=(), cold=False):
+    """``honing train ARGS`` in this process (``env`` added to the environment without
+    honing's keys); in a process of its own under ``wrap`` (a command it runs under) or when
+    ``cold`` (a fresh interpreter: its CPU time is the test's children's)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS} | (env or {})
     env["HONING_CACHE"] = str(tmp_path / "cache")
     env["TOKENIZERS_PARALLELISM"] = "false"
-    cold = cold or bool(wrap)  # a fork of the warm server would not run under the wrapper
+    if not (wrap or cold):
+        return run_cli(["train", *args], tmp_path, env)
     return subprocess.run(
-        [*wrap, sys.executable, "-m", "honing.cli", "train", *args]
-        if cold
-        else warm.honing("train", *args),
+        [*wrap, sys.executable, "-m", "honing.cli", "train", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -38,7 +68,7 @@ def run_train(
     )
 
 
-def error_line(result: subprocess.CompletedProcess) -> str:
+def error_line(result: Ran | subprocess.CompletedProcess) -> str:
     """The single stderr line of a user error; fails unless there is exactly one."""
     assert "Traceback" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -147,26 +177,13 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path, model_arg):
 
 def test_overrides_may_follow_the_options(tmp_path):
     """`train --output-dir D key=value` reads the override (here: an unknown key, exit 2)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "honing.cli",
-            "train",
-            "--output-dir",
-            str(tmp_path / "o"),
-            "rollout.grup_size=3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2
-    assert "did you mean rollout.group_size" in result.stderr
+    result = run_train(tmp_path, "--output-dir", str(tmp_path / "o"), "rollout.grup_size=3")
+    assert "did you mean rollout.group_size" in error_line(result)
 
 
 def run_serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """``honing serve ARGS`` on a free port (the port is taken before the app is built)."""
+    """``honing serve ARGS`` on a free port (the port is taken before the app is built), in a
+    process of its own: a server that wrongly started would not hold the test up."""
     return subprocess.run(
         warm.honing("serve", *args, "--port", "0"),
         cwd=tmp_path,
@@ -215,10 +232,5 @@ def test_max_restarts_runs_training_as_a_supervised_child(tmp_path, micro_model_
 
 
 def test_checkpoints_of_a_missing_run_is_one_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "honing.cli", "checkpoints", str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli(["checkpoints", str(tmp_path / "nope")], tmp_path, dict(os.environ))
     assert "no such run directory" in error_line(result)

@@ -1,5 +1,6 @@
 """Careless input to ``honing train``: each case is one line on stderr, exit 2, and nothing
-written, as a user sees it (the real command in a subprocess)."""
+written, as a user sees it (``tests.test_cli.run_train``: the command in this process, or in
+one of its own where the process is what is checked: a read-only mount, its CPU time)."""
 
 import json
 import resource
