@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.honing-installed
 
-.PHONY: setup demo test lint clean bench-setup bench image
+.PHONY: setup demo test test-fast lint clean bench-setup bench image
 
 setup: $(STAMP)
 
@@ -79,6 +79,12 @@ test: setup
 	$(VENV)/bin/ruff check honing tests benchmarks examples deploy
 	$(VENV)/bin/ruff format --check honing tests benchmarks examples deploy
 	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4
+
+# The inner loop: the suite without the end-to-end runs marked slow (Ray clusters, torchrun
+# and spawned ranks, served engines, supervised and signalled runs).
+test-fast: setup
+	$(VENV)/bin/ruff check honing tests benchmarks examples deploy
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 -m "not slow"
 
 # Side-by-side benchmark against TRL's GRPOTrainer (benchmarks/grpo_step.py). TRL lives in a
 # virtualenv of its own (.venv-peers) so its pins never touch honing's.

@@ -208,6 +208,7 @@ def test_serve_verifier_unknown_function_is_one_line(tmp_path):
     assert "unknown reward function 'nope_fn'" in line
 
 
+@pytest.mark.slow
 def test_max_restarts_runs_training_as_a_supervised_child(tmp_path, micro_model_dir, digit_reward):
     out = tmp_path / "run"
     result = run_train(

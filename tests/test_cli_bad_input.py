@@ -77,6 +77,7 @@ def _unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unshare -rm (user + mount namespaces)")
+@pytest.mark.slow
 def test_resuming_into_a_read_only_run_directory(tmp_path, micro_model_dir, digit_reward):
     common = [f"model.path={micro_model_dir}", f"reward.function={digit_reward}", *TRAIN]
     run = tmp_path / "run"
@@ -102,6 +103,7 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_is_named_by_file_and_line_without_tokenizing_it(tmp_path, micro_model_dir):
     row = lambda text: json.dumps({"prompt": text, "reward_model": {"ground_truth": "2"}})  # noqa: E731
     (tmp_path / "train.jsonl").write_text(row("1+1=") + "\n" + row("9" * 5_000_000) + "\n")

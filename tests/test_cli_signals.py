@@ -41,6 +41,7 @@ def test_sigterm_during_a_save_leaves_no_partial_checkpoint(tmp_path, sigterm_ha
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second one kills at once
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_run_that_resumes_where_it_stopped(tmp_path, micro_model_dir, digit_reward):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}

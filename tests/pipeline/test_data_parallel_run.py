@@ -154,6 +154,7 @@ def test_two_ranks_resume_as_they_would_have_continued(tmp_path, micro_model_dir
     assert_same_moves(weights, whole_weights, initial_weights(micro_model_dir))
 
 
+@pytest.mark.slow
 def test_when_rank_0_fails_every_rank_exits_without_waiting(tmp_path, micro_model_dir):
     """A reward that raises stops rank 0 before any update: the other rank is told the run
     failed and leaves at once; torchrun reports rank 0's error (no hang, no C++ abort)."""

@@ -170,6 +170,7 @@ def kill_during_step(run_dir, target_step, pause_s):
     return watch
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_step_completes_with_the_same_weights(
     micro_model_dir, digit_reward, tmp_path
 ):

@@ -18,6 +18,8 @@ from honing.rollout.openai_engine import (
 from honing.services.process import start_service as process_start_service
 from tests.warm import start_service
 
+pytestmark = pytest.mark.slow  # servers booted per module, runs against them
+
 CPU = torch.device("cpu")
 PROMPTS = ["12+34=", "7+8=", "55+45="]
 

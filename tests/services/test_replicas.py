@@ -4,10 +4,13 @@ score, the client moves to the other."""
 import signal
 import threading
 
+import pytest
+
 from honing.rewards.remote import VerifierClient
 from honing.services.process import start_service
 
 
+@pytest.mark.slow
 def test_killing_a_replica_mid_run_loses_no_score():
     first, first_url = start_service("verifier", "--workers", "1")
     second, second_url = start_service("verifier", "--workers", "1")

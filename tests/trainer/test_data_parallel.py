@@ -63,6 +63,7 @@ def _worker(rank: int, model_dir: str, settings: UpdateSettings, port: int, out:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # gloo ranks spawned, each importing torch
 @pytest.mark.parametrize(
     "split",
     [

@@ -3,6 +3,7 @@ sharded (FSDP2) and a replicated policy give every rank what one process has, fo
 without gradient over an odd number of rows (a rank short of rows runs a masked copy), whole
 tensors gathered a tensor at a time, whole tensors loaded into shards, and metric sums."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,8 @@ from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.engine import TrainedModule, make_layout
 
 from .test_policy_update import PAD, make_rollouts
+
+pytestmark = pytest.mark.slow  # gloo ranks spawned, each importing torch
 
 CPU = torch.device("cpu")
 WORLD = 2
