@@ -27,6 +27,7 @@ from honing.pipeline.components import local_engine, resolve_model_path, train_s
 from honing.pipeline.inputs import (
     build_scorer,
     check_ground_truths,
+    keep_tokenized,
     load_datasets,
     tokenize_prompts,
 )
@@ -162,7 +163,12 @@ def evaluate_model(config: Config, model_path: str, log=print) -> dict[str, floa
             model = load_causal_lm(
                 path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
             ).eval()
-        rendered, prompt_ids = tokenize_prompts(val, tokenizer, config.rollout.max_seq_len)
+        rendered, prompt_ids = tokenize_prompts(
+            val, tokenizer, config.rollout.max_seq_len, config.data.on_bad_row
+        )
+        _, val, skipped = keep_tokenized([], val, 0, prompt_ids)  # too long, under skip
+        if skipped:
+            log(f"honing: skipped_rows: count={skipped} (at least rollout.max_seq_len tokens)")
         engine = local_engine(config, model, tokenizer, device)
         sampling = dataclasses.replace(
             train_sampling(config), seed=validation_seed(config.trainer.seed)

@@ -7,6 +7,7 @@ import pytest
 
 from honing import cli
 from honing.backends.launch import train
+from honing.errors import DataError
 from honing.pipeline.evaluate import evaluate_model
 
 from ._configs import small_run_config
@@ -63,3 +64,27 @@ def test_a_model_directory_without_a_manifest_is_said_to_be_unchecked(micro_mode
     assert "has no manifest.json (not a honing checkpoint): its files are not checked" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("on_bad_row", ["skip", "error"])
+def test_an_over_long_validation_prompt_is_a_bad_row(tmp_path, micro_model_dir, on_bad_row):
+    row = lambda text: json.dumps({"prompt": text, "reward_model": {"ground_truth": "2"}})  # noqa: E731
+    (tmp_path / "val.jsonl").write_text(row("1+1=") + "\n" + row("9" * 600) + "\n")
+    config = small_run_config(
+        micro_model_dir,
+        "math",
+        **{
+            "data.train_files": [str(tmp_path / "val.jsonl")],
+            "data.val_files": [str(tmp_path / "val.jsonl")],
+            "data.on_bad_row": on_bad_row,
+            "rollout.max_seq_len": 64,
+        },
+    )
+    said = []
+    if on_bad_row == "error":
+        with pytest.raises(DataError, match="val.jsonl:2: the prompt has 600 tokens"):
+            evaluate_model(config, str(micro_model_dir), log=said.append)
+        return
+    got = evaluate_model(config, str(micro_model_dir), log=said.append)
+    assert got["val/prompts"] == 1  # the long one skipped, and said so
+    assert any("skipped_rows: count=1" in line for line in said)
