@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.moe import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PATHS = {
@@ -69,7 +71,7 @@ def main() -> None:
 
     machine = {
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "native_capability": torch.backends.cpu.get_cpu_capability(),
@@ -103,16 +105,6 @@ def main() -> None:
         f"end {max(ends) - min(ends):.3f}.",
     ]
     (RESULTS / "demo_kernels.md").write_text("\n".join(lines) + "\n")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":

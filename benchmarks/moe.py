@@ -307,7 +307,8 @@ def speed(args) -> dict:
     return {"medians": medians, "table": lines}
 
 
-def _cpu() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -342,7 +343,7 @@ def main() -> None:
     result |= {
         "command": " ".join(f"python -m benchmarks.moe {args.command} {options}".split()),
         "config": CONFIG,
-        "machine": f"{_cpu()}, {os.cpu_count()} cores",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
         "seconds": round(time.perf_counter() - started, 1),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
