@@ -2,6 +2,7 @@
 before it writes anything, under ``--max-restarts`` and torchrun too; a run that died holding
 the lock leaves it free."""
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from honing.errors import UserError
 from honing.pipeline.run_lock import LOCK_FILE, RunLock
 from honing.pipeline.supervise import supervise
 from tests import warm
+from tests.rewards._processes import processes_with
 
 from ._configs import cli_args, small_run_config
 from ._warm_python import warm_python
@@ -159,7 +161,13 @@ def test_torchrun_rank_0_takes_the_lock(micro_model_dir, digit_reward, tmp_path)
         said = next((line for line in launcher.stderr if line.startswith("honing: error: ")), "")
         left = sorted(p.name for p in run_dir.iterdir())
     finally:
-        os.killpg(launcher.pid, signal.SIGKILL)  # the warm clients take their ranks along
+        os.killpg(launcher.pid, signal.SIGKILL)
+        # torchrun starts each rank in a session of its own, which the launcher's kill
+        # misses: rank 1 would wait for rank 0 until its store times out. A killed warm
+        # client takes its rank along.
+        for pid in processes_with(str(run_dir)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=60)
         holder.release()
     assert REFUSED in said
