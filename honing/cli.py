@@ -130,6 +130,7 @@ def _rollout_app(ns: argparse.Namespace):
     from honing.models.loading import load_causal_lm, load_tokenizer, resolve_device
     from honing.pipeline.components import resolve_model_path
     from honing.rollout.transformers_engine import TransformersEngine
+    from honing.services.options import CompletionLimits
     from honing.services.rollout import rollout_app
 
     configure_host(ns.threads)
@@ -149,9 +150,7 @@ def _rollout_app(ns: argparse.Namespace):
     return rollout_app(
         engine,
         model_name=ns.name or ns.model,
-        max_seq_len=ns.max_seq_len,
-        max_tokens=ns.max_tokens,
-        max_sequences=ns.max_sequences,
+        limits=CompletionLimits(ns.max_seq_len, ns.max_tokens, ns.max_sequences),
         token=ns.token,
         exit_after=ns.exit_after,
     )

@@ -112,14 +112,8 @@ class TrainLoop:
     def _start_schedule(self, start_step: int) -> None:
         """Batches made now (``sync``) or ahead on other threads (``one_step`` / ``async``),
         for the steps after ``start_step``, with the parts as they are now."""
-        seed = self.config.trainer.seed
         self.schedule = start_schedule(
-            self.config,
-            self.parts,
-            self.peers,
-            self.offload,
-            start_step,
-            lambda step: step_seed(seed, step),
+            self.config, self.parts, self.peers, self.offload, start_step, self._seed_of
         )
 
     def _stop_schedule(self, step: int, reason: str) -> None:
@@ -255,13 +249,15 @@ class TrainLoop:
     def step_alone(self, step: int) -> dict[str, float]:
         """One step outside ``run`` (``honing doctor``): its batch made inline, whatever
         ``schedule.mode`` says."""
-        seed = self.config.trainer.seed
-        seed_of = lambda step: step_seed(seed, step)  # noqa: E731
-        self.schedule = Inline(self.config, self.parts, self.peers, self.offload, seed_of)
+        self.schedule = Inline(self.config, self.parts, self.peers, self.offload, self._seed_of)
         try:
             return self.train_step(step)
         finally:
             self.schedule = None
+
+    def _seed_of(self, step: int) -> int:
+        """Step ``step``'s seed: its sampling and its mini-batches' shuffle."""
+        return step_seed(self.config.trainer.seed, step)
 
     def _policy_acts(self, step: int) -> bool:
         """Whether the policy updates at ``step``: PPO's critic fits the values first, and
@@ -296,7 +292,7 @@ class TrainLoop:
             old_values=experience.old_values,
             returns=experience.returns,
             settings=self.parts.update_settings,
-            seed=step_seed(self.config.trainer.seed, step),
+            seed=self._seed_of(step),
             act=acts,
             value_clip=self.config.algorithm.value_clip,
             lr=trainers.policy.learning_rates(),

@@ -65,7 +65,6 @@ from honing.services.completion_request import (
 )
 from honing.services.options import NON_NEGATIVE, CompletionLimits
 from honing.services.rollout_weights import (
-    apply_weights,
     check_weights,
     from_body,
     from_directory,
@@ -128,21 +127,17 @@ class _Served:
         rows = prompts_from_request(body, engine.tokenizer, vocab_size, self.limits, params.n)
         requests = [GenerationRequest(str(i), ids, i) for i, ids in enumerate(rows)]
         with self.turn:
-            try:
-                rollouts = engine.generate(requests, params)
-            except ValueError as err:  # the engine's own refusal of a request
-                raise Refused(str(err)) from None
+            rollouts = engine.generate(requests, params)  # the request was checked above
             version = engine.weight_version
-            take_report = getattr(engine, "take_report", None)
-            metrics = take_report()[0] if take_report is not None else {}
+            metrics = engine.take_report()[0]
             for key in self.speculation:
                 self.speculation[key] += metrics.get(f"rollout/spec_{key}", 0.0)
+            self.counters["completions"] += len(rollouts)
         order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].group_index)
         choices = [_choice(index, rollouts[position]) for index, position in enumerate(order)]
         routed = _routed_experts(rollouts, order, choices)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         prompt_tokens = sum(len(ids) for ids in rows)
-        self.counters["completions"] += len(choices)
         return routed | {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -160,11 +155,9 @@ class _Served:
     def load(self, read, source, version: int) -> None:
         """The weights ``read(source)`` gives, checked, then applied as ``version``."""
         weights = read(source)
-        own = self.engine.model.state_dict()
-        check_weights(weights, own)
+        check_weights(weights, self.engine.model.state_dict())
         with self.turn:
-            apply_weights(weights, own)
-            self.engine.weight_version = version
+            self.engine.load_weights(version, weights)
 
     def next_version(self, value) -> int:
         """A weight update's ``version`` (default: the served one plus one)."""
@@ -218,9 +211,7 @@ def rollout_app(
     engine,
     *,
     model_name: str,
-    max_seq_len: int = 4096,
-    max_tokens: int = 4096,
-    max_sequences: int = 1024,
+    limits: CompletionLimits | None = None,
     token: str = "",
     max_body_bytes: int = 4 << 30,
     exit_after: int = 0,
@@ -230,7 +221,7 @@ def rollout_app(
 
     ``exit_after`` (fault injection): the process dies, without answering, on that
     completion request, as a crashed or preempted engine would."""
-    served = _Served(engine, model_name, CompletionLimits(max_seq_len, max_tokens, max_sequences))
+    served = _Served(engine, model_name, limits or CompletionLimits())
     app = create_app(
         service="rollout",
         health=served.health,

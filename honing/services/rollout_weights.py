@@ -4,7 +4,8 @@ body, every tensor checked against the served model, then applied all at once.
 A tensor must name a weight of the served model, have its shape, be of its kind (any
 floating-point dtype for a floating-point weight, cast to the served dtype; the same dtype
 otherwise) and be finite in the served dtype. One that is not refuses the whole update (400,
-naming the tensor and what was expected) before any weight is touched, so that a server never
+naming the tensor and what was expected) before any weight is touched (the engine's
+``load_weights`` then copies them), so that a server never
 samples from a mix of two versions, nor from weights that ``copy_`` broadcast into the wrong
 shape. Weights not sent keep their values (a tied weight comes once, under either name).
 """
@@ -75,15 +76,8 @@ def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
                 f"weights: {name} has dtype {tensor.dtype}; expected a floating-point dtype "
                 f"(cast to the served {target.dtype})"
             )
-        if not bool(torch.isfinite(tensor).all()):
-            raise Refused(f"weights: {name} has non-finite values (NaN or infinity)")
         cast = tensor.to(target.dtype)  # the same tensor when the dtypes agree
-        if cast is not tensor and not bool(torch.isfinite(cast).all()):
+        if not bool(torch.isfinite(cast).all()):  # NaN and infinity stay so when cast
+            if cast is tensor or not bool(torch.isfinite(tensor).all()):
+                raise Refused(f"weights: {name} has non-finite values (NaN or infinity)")
             raise Refused(f"weights: {name} has values beyond {target.dtype}'s range")
-
-
-def apply_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
-    """Copies checked ``weights`` into the served model's ``own`` tensors."""
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            own[name].copy_(tensor.to(own[name].dtype))

@@ -12,6 +12,7 @@ from safetensors.torch import save, save_file
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.transformers_engine import TransformersEngine
+from honing.services.options import CompletionLimits
 from honing.services.rollout import rollout_app
 
 CPU = torch.device("cpu")
@@ -138,7 +139,7 @@ def _complete(url: str, **fields) -> httpx.Response:
 
 
 def test_requests_past_the_servers_bounds_are_400(serve, engine):
-    url = serve(rollout_app(engine, model_name="m", max_seq_len=16, max_tokens=6, max_sequences=8))
+    url = serve(rollout_app(engine, model_name="m", limits=CompletionLimits(16, 6, 8)))
     for fields, problem in (
         ({"n": 9}, "n: expected 1..8, got 9"),
         (
