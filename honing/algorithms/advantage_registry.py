@@ -25,6 +25,7 @@ makes the same check on the config before anything loads.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -59,14 +60,20 @@ class AdvantageEstimator:
     inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for kind, names, known in (
-            ("setting", self.settings, SETTINGS),
-            ("input", self.inputs, INPUTS),
-        ):
+        declared = (("setting", self.settings, SETTINGS), ("input", self.inputs, INPUTS))
+        for kind, names, known in declared:
             if unknown := sorted(set(names) - set(known)):
                 raise ValueError(
                     f"advantage estimator {self.name!r}: unknown {kind} {', '.join(unknown)}; "
                     f"the {kind}s are {', '.join(known)}"
+                )
+        # what it declares and the arguments it takes agree (checked once, when registered)
+        takes = set(inspect.signature(self.fn).parameters)
+        for _, names, known in declared:
+            if mismatch := sorted((set(names) ^ takes) & set(known)):
+                raise ValueError(
+                    f"advantage estimator {self.name!r}: {', '.join(mismatch)} is declared "
+                    "but not an argument, or an argument but not declared"
                 )
 
     def unused(self, settings: AdvantageSettings) -> list[str]:

@@ -212,6 +212,9 @@ def reinforce_plus_plus_baseline(
 def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     # G_t = r_t + gamma * G_next, right to left over response tokens; masked positions are
     # skipped (the return carries over them) and get 0.
+    if gamma == 1.0:  # the undiscounted sum over k >= t, in one reversed cumulative sum
+        kept = torch.where(mask, rewards, 0.0)  # [N, T]
+        return torch.where(mask, kept.flip(-1).cumsum(-1).flip(-1), 0.0)
     returns = torch.zeros_like(rewards)  # [N, T]
     running = rewards.new_zeros(rewards.shape[0])  # [N]
     for t in reversed(range(rewards.shape[-1])):
@@ -296,10 +299,10 @@ def remax(
     )
     _check_shape("baseline_scores", baseline_scores, tuple(scores.shape))
     mask = response_mask.bool()  # [N, T]
-    rewards = torch.where(mask, _token_rewards(scores, response_mask, token_rewards), 0.0)
-    returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [N, T] sum over k >= t
+    rewards = _token_rewards(scores, response_mask, token_rewards)  # [N, T]
+    returns = _discounted_returns(rewards, mask, 1.0)  # [N, T] sum over k >= t
     baseline = baseline_scores.to(returns.dtype).unsqueeze(-1)  # [N, 1]
-    return torch.where(mask, returns - baseline, 0.0), torch.where(mask, returns, 0.0)
+    return torch.where(mask, returns - baseline, 0.0), returns
 
 
 @register_advantage("gae", settings=("gamma", "lam"), inputs=("values", "token_rewards"))

@@ -173,7 +173,7 @@ def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
 
 
 def build_tiny_model(
-    cache_dir: str | Path, corpus: list[tuple[str, str]], spec: TinySpec = TinySpec(), log=print
+    cache_dir: str | Path, corpus: list[tuple[str, str]], spec: TinySpec = TINY, log=print
 ) -> Path:
     """Return the directory of the warm-started tiny model, building it if not cached."""
     name = "tiny-moe" if spec.experts else "tiny"

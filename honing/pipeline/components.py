@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from honing.algorithms.advantage_registry import AdvantageSettings
 from honing.algorithms.kl_control import KLController
 from honing.config import Config
 from honing.data import PromptSource, warmstart_corpus
@@ -34,7 +35,7 @@ from honing.pipeline.inputs import (
     load_datasets,
     tokenize_prompts,
 )
-from honing.pipeline.rules import check_policy_routing, check_remote_routing
+from honing.pipeline.rules import advantage_settings, check_policy_routing, check_remote_routing
 from honing.rewards import Scorer
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
@@ -90,6 +91,7 @@ class Components:
     rendered: dict[str, str]
     source: PromptSource
     update_settings: UpdateSettings
+    advantage_settings: AdvantageSettings
     train_sampling: SamplingParams
     kl_controller: KLController
     skipped_rows: int
@@ -226,6 +228,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
         rendered=rendered,
         source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
         update_settings=update_settings(config),
+        advantage_settings=advantage_settings(config),
         train_sampling=train_sampling(config),
         skipped_rows=skipped,
         kl_controller=KLController(

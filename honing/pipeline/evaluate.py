@@ -136,6 +136,10 @@ def evaluate_model(config: Config, model_path: str, log=print) -> dict[str, floa
     """
     check_config(config)
     path, m = Path(model_path), config.model
+
+    def say(kind: str, **fields) -> None:  # an event, as one console line
+        log(f"honing: {kind}: " + " ".join(f"{k}={v}" for k, v in fields.items()))
+
     check_files(path, log)
     device = resolve_device(m.device)
     scorer = build_scorer(config)
@@ -168,7 +172,7 @@ def evaluate_model(config: Config, model_path: str, log=print) -> dict[str, floa
         )
         _, val, skipped = keep_tokenized([], val, 0, prompt_ids)  # too long, under skip
         if skipped:
-            log(f"honing: skipped_rows: count={skipped} (at least rollout.max_seq_len tokens)")
+            say("skipped_rows", count=skipped, reason="at least rollout.max_seq_len tokens")
         engine = local_engine(config, model, tokenizer, device)
         sampling = dataclasses.replace(
             train_sampling(config), seed=validation_seed(config.trainer.seed)
@@ -181,9 +185,7 @@ def evaluate_model(config: Config, model_path: str, log=print) -> dict[str, floa
             rendered,
             sampling,
             config.rollout.val_samples,
-            on_event=lambda kind, **fields: log(
-                f"honing: {kind}: " + " ".join(f"{k}={v}" for k, v in fields.items())
-            ),
+            on_event=say,
         )
     finally:
         scorer.close()

@@ -23,7 +23,6 @@ from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
-from honing.pipeline.rules import advantage_settings
 from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
 from honing.trainer.engine import TrainerEngine
 from honing.trainer.policy_update import autocast
@@ -173,7 +172,7 @@ def make_experience(
             [baselines.get(r.group_index, 0.0) for r in rollouts], device=parts.device
         ).nan_to_num(0.0)
     advantages, returns = _advantages(
-        config, scores, token_rewards, batch, rollouts, old_values, baseline_scores
+        config, parts, scores, token_rewards, batch, rollouts, old_values, baseline_scores
     )
     adv_mean = advantages.sum() / mask.sum()
     metrics["critic/advantages/mean"] = float(adv_mean)
@@ -202,13 +201,13 @@ def make_experience(
     return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns)
 
 
-def _advantages(config, scores, token_rewards, batch, rollouts, values, baseline_scores):
+def _advantages(config, parts, scores, token_rewards, batch, rollouts, values, baseline_scores):
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
     advantages, returns = get_advantage(config.algorithm.advantage)(
         scores,
         batch.response_mask,
         group_ids,
-        advantage_settings(config),
+        parts.advantage_settings,
         token_rewards=token_rewards,
         values=values,
         baseline_scores=baseline_scores,

@@ -432,4 +432,7 @@ def test_registration_refuses_a_setting_or_input_there_is_not():
         register_advantage("test_bad", settings=("epsilon",))(grpo)
     with pytest.raises(ValueError, match="unknown input rewards; the inputs are token_rewards"):
         register_advantage("test_bad", inputs=("rewards",))(grpo)
+    # a declaration and the function's arguments that disagree, either way
+    with pytest.raises(ValueError, match="lam, norm_adv_by_std is declared but not an argument"):
+        register_advantage("test_bad", settings=("lam",))(grpo)
     assert "test_bad" not in ADVANTAGE_ESTIMATORS

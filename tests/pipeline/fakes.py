@@ -30,6 +30,7 @@ from honing.pipeline.components import (
     update_settings,
 )
 from honing.pipeline.inputs import build_scorer, tokenize_prompts
+from honing.pipeline.rules import advantage_settings
 from honing.rollout.base import Holding, RolloutEngine, weight_items
 from honing.trainer.layouts import OneProcess
 from honing.types import Rollout
@@ -164,6 +165,7 @@ def fake_components(config: Config, log=print) -> Components:
         rendered=rendered,
         source=PromptSource(train, config.rollout.batch_size, seed=t.seed),
         update_settings=update_settings(config),
+        advantage_settings=advantage_settings(config),
         train_sampling=train_sampling(config),
         kl_controller=KLController(algo.kl_coef, algo.kl_ctrl, algo.kl_target, algo.kl_horizon),
         skipped_rows=0,
