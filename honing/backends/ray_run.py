@@ -95,7 +95,7 @@ def connect(settings: PipelineConfig) -> bool:
 
 # Ray takes a node's address to be 127.0.0.1 where clusters of several machines are off (its
 # default on macOS and Windows), read from this variable when ray is imported.
-_ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_ONE_MACHINE = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 
 @contextlib.contextmanager

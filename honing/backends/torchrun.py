@@ -124,11 +124,11 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
     peers; the others follow it. Returns rank 0's summary ({} elsewhere)."""
     rank, _ = world()
     prepared = prepare(config, run_dir, resume) if rank == 0 else None
-    configure_host(config.trainer.threads)
-    torch.manual_seed(config.trainer.seed)
-    group = init(resolve_device(config.model.device), alone=offloads_alone(config))
-    parts = None
-    try:
+    group = parts = None
+    try:  # from here on, rank 0 lets the run directory go however the run ends
+        configure_host(config.trainer.threads)
+        torch.manual_seed(config.trainer.seed)
+        group = init(resolve_device(config.model.device), alone=offloads_alone(config))
         check_same_config(config, group)
         quiet = rank != 0  # rank 0 says what the build found (the others find the same)
         parts = build_components(config, log=(lambda message: None) if quiet else log, group=group)

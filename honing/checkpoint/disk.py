@@ -41,7 +41,7 @@ def is_write_failure(err: BaseException) -> bool:
     carries the OS's own (safetensors: ``I/O error: ... (os error 28)``).
     """
     for seen in _chain(err):
-        if isinstance(seen, OSError) or says_no_space(seen):
+        if isinstance(seen, OSError) or _no_space(seen):
             return True
         text = str(seen)
         if isinstance(seen, RuntimeError) and any(hint in text for hint in TORCH_WRITE_HINTS):
@@ -54,12 +54,14 @@ def is_write_failure(err: BaseException) -> bool:
 def says_no_space(err: BaseException) -> bool:
     """Whether the exception's chain holds an ENOSPC or EDQUOT (quota) error, as an
     ``OSError`` or in the text of a writer's own error type."""
-    for seen in _chain(err):
-        if isinstance(seen, OSError) and seen.errno in NO_SPACE_ERRNOS:
-            return True
-        if any(text in str(seen) for text in NO_SPACE_TEXTS):
-            return True
-    return False
+    return any(_no_space(seen) for seen in _chain(err))
+
+
+def _no_space(err: BaseException) -> bool:
+    """Whether this one exception (not its chain) says the disk or quota is full."""
+    if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS:
+        return True
+    return any(text in str(err) for text in NO_SPACE_TEXTS)
 
 
 def free_bytes(path: Path) -> int | None:
@@ -68,6 +70,14 @@ def free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` made absolute, or its nearest ancestor that exists (``/`` at worst)."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
 
 
 def tree_bytes(path: Path) -> int:

@@ -50,6 +50,9 @@ from honing.checkpoint.mirror import Mirror
 from honing.errors import UserError, error_line
 
 EventSink = Callable[..., None]
+# What the uploads under way get when a run is interrupted (SIGTERM, Ctrl-C) at their wait,
+# or mid-step before it.
+INTERRUPT_GRACE_S = 30.0
 
 
 class CheckpointSaveError(OSError):
@@ -146,6 +149,7 @@ class CheckpointManager:
             else None
         )
         self._free_at_failure: int | None = None  # free bytes when the last write failed
+        self._listed: list[int] | None = None  # the mirror's steps, as check_mirror found them
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -156,16 +160,19 @@ class CheckpointManager:
         return self.root / f"{STEP_PREFIX}{step}"
 
     def save(
-        self, step: int, write: Callable[[Path], None], expected_bytes: int | None = None
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        expected_bytes: Callable[[], int] | None = None,
     ) -> Path:
         """Writes a checkpoint of ``step`` atomically, applies retention, mirrors on schedule.
 
         Args:
             step: Training step (>= 0) the checkpoint holds.
             write: Fills the given (empty, temporary) directory with the checkpoint files.
-            expected_bytes: About what the checkpoint takes, for the message of a save that
-                finds no room before any checkpoint was written (then the newest one's size
-                is used).
+            expected_bytes: About what the checkpoint takes, asked only for the message of a
+                save that finds no room before any checkpoint was written (otherwise the
+                newest one's size is used).
 
         Returns:
             The published directory, ``root/step_<step>``. An existing checkpoint of the
@@ -191,7 +198,7 @@ class CheckpointManager:
         return final
 
     def _failed(
-        self, step: int, err: BaseException, expected_bytes: int | None
+        self, step: int, err: BaseException, expected_bytes: Callable[[], int] | None
     ) -> CheckpointSaveError:
         """Reports a save that could not be written (``checkpoint_failed``) and says what it
         needs. "Full" is read from the error itself or from the free space when it failed:
@@ -202,7 +209,10 @@ class CheckpointManager:
             self._free_at_failure is not None and self._free_at_failure < FULL_BELOW
         )
         newest = self.latest()
-        needed = tree_bytes(newest) if newest is not None else expected_bytes
+        if newest is not None:
+            needed = tree_bytes(newest)
+        else:
+            needed = expected_bytes() if expected_bytes is not None else None
         self._event(
             "checkpoint_failed",
             step=step,
@@ -267,7 +277,9 @@ class CheckpointManager:
         if self.archive is not None:
             self.archive.abandon_after(step)
 
-    def finish_uploads(self, timeout_s: float = 600.0, grace_s: float = 30.0) -> list[int]:
+    def finish_uploads(
+        self, timeout_s: float = 600.0, grace_s: float = INTERRUPT_GRACE_S
+    ) -> list[int]:
         """Waits up to ``timeout_s`` for the mirror's queued uploads (the end of a run; a
         ``mirror_waiting`` event first when there are any); the steps left unfinished are
         reported (``mirror_unfinished``) and returned. Their local checkpoints are
@@ -292,7 +304,7 @@ class CheckpointManager:
         if self.mirror is None:
             return
         try:
-            self.mirror.complete_steps()
+            self._listed = self.mirror.complete_steps()  # what --resume auto may fetch
         except Exception as err:
             raise UserError(
                 f"checkpoint.mirror_url={self.mirror.url} cannot be reached ({error_line(err)}); "
@@ -444,8 +456,9 @@ class CheckpointManager:
         """
         if self.mirror is None:
             return None
-        try:
-            steps = self.mirror.complete_steps()
+        try:  # the listing check_mirror just made, when it did
+            steps = self._listed if self._listed is not None else self.mirror.complete_steps()
+            self._listed = None
         except Exception as err:
             reason = error_line(err)
             raise UserError(

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from honing.checkpoint.disk import nearest_existing, tree_bytes
 from honing.checkpoint.manifest import MARKER, STEP_DIR, TMP_PREFIX
 from honing.errors import ConfigError, error_line
 
@@ -79,9 +80,7 @@ def url_problem(url: str) -> str | None:
 
 
 def _path_problem(path: Path) -> str | None:
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(path)
     if probe.exists() and not probe.is_dir():
         return f"{probe} is a file; {EXPECTED}"
     return None
@@ -391,11 +390,10 @@ class Uploader:
                     self._lock.notify_all()
 
     def _push(self, staging: Path, step: int) -> Upload:
-        started, detail, size = time.perf_counter(), "", 0
+        started, detail, size = time.perf_counter(), "", tree_bytes(staging)
         attempts = 1 if self._failing else self.attempts
         for attempt in range(1, attempts + 1):
             try:
-                size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
                 path = self.mirror.push(staging, step)
                 pruned = self.mirror.prune(self.keep, protect=step)
                 seconds = time.perf_counter() - started

@@ -111,6 +111,7 @@ class RunLogger:
         if console:
             optional.append(ConsoleSink(total_steps, stream=stream))
         self.sinks: list[MetricSink] = [self._metrics, *optional, *sinks]
+        self._check_names = os.environ.get("HONING_CHECK_METRIC_NAMES") == "1"
 
     @classmethod
     def from_config(
@@ -152,7 +153,7 @@ class RunLogger:
         """Writes one step's metrics to every sink. Under ``HONING_CHECK_METRIC_NAMES=1``
         (the tests) a name that ``monitor.names`` does not know is an error: alert rules are
         checked against that list."""
-        if os.environ.get("HONING_CHECK_METRIC_NAMES") == "1":
+        if self._check_names:
             unknown = sorted(name for name in metrics if not known_metric(name))
             if unknown:
                 raise ValueError(f"metrics missing from honing/monitor/names.py: {unknown}")

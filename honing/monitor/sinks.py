@@ -17,17 +17,16 @@ light.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from honing.checkpoint.disk import free_bytes, says_no_space
 from honing.errors import UserError
 
 
@@ -222,8 +221,8 @@ class JsonlSink:
             raise UserError(self._failure(err)) from None
 
     def _failure(self, err: OSError) -> str:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(self.path.parent).free / (1 << 20)
+        if says_no_space(err):
+            free = (free_bytes(self.path.parent) or 0) / (1 << 20)
             return (
                 f"cannot write {self.path}: the disk is full ({free:.1f} MiB free there); "
                 "free some space, then resume with --resume auto"

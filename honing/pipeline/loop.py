@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from honing.checkpoint import CheckpointManager
+from honing.checkpoint.manager import INTERRUPT_GRACE_S
 from honing.config import Config
 from honing.errors import RunStopped
 from honing.monitor import RunLogger
@@ -91,7 +92,7 @@ class TrainLoop:
                 if last or (every and step % every == 0):
                     self._save(step)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM: uploads under way get a short while
-            self._end(step, alerting, upload_wait_s=30.0)
+            self._end(step, alerting, upload_wait_s=INTERRUPT_GRACE_S)
             raise
         except BaseException:
             self._end(step, alerting)

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from honing.checkpoint import CheckpointManager
+from honing.checkpoint.disk import nearest_existing
 from honing.config import Config, dump_yaml, to_dict
 from honing.errors import UserError
 from honing.host import configure_host
@@ -47,9 +48,7 @@ def check_run_dir(run_dir: Path) -> None:
     """The run directory can be made and written: its nearest existing ancestor (or itself)
     is a writable directory. Checked before anything loads, so a bad ``--output-dir`` is one
     line and nothing is written."""
-    probe = Path(os.path.abspath(run_dir))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(run_dir)
     if not probe.is_dir():
         raise UserError(
             f"--output-dir {run_dir}: {probe} is a file, not a directory; "

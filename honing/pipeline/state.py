@@ -114,7 +114,8 @@ def save_training_state(
             (directory / CONFIG_FILE).write_text(dump_yaml(config))
 
         try:
-            return manager.save(step, write, expected_bytes=checkpoint_bytes(parts, config))
+            size = lambda: checkpoint_bytes(parts, config)  # noqa: E731 - asked on a failure
+            return manager.save(step, write, expected_bytes=size)
         except CheckpointSaveError as err:
             if required:
                 raise UserError(f"{err}; free some space, then resume with --resume auto") from None
@@ -127,7 +128,10 @@ def save_training_state(
 def checkpoint_bytes(parts: Components, config: Config) -> int:
     """About what a checkpoint of ``parts`` takes on this process: the trained modules'
     parameters (a LoRA policy's adapters only) and, when the optimizer is saved, AdamW's two
-    fp32 moments of each trained one. For the message of a save that finds no room."""
+    fp32 moments of each trained one (this rank's shards of them when sharded). For the
+    message of a save that finds no room."""
+    from torch.distributed.tensor import DTensor
+
     total = 0
     for trainer in parts.trainers.all():
         params = list(trainer.module.parameters())
@@ -135,7 +139,8 @@ def checkpoint_bytes(parts: Components, config: Config) -> int:
         saved = trained if trainer is parts.trainers.policy and is_lora(trainer.module) else params
         total += local_bytes(saved)
         if config.checkpoint.save_optimizer:
-            total += 2 * 4 * sum(p.numel() for p in trained)
+            local = (p.to_local() if isinstance(p, DTensor) else p for p in trained)
+            total += 2 * 4 * sum(p.numel() for p in local)
     return total
 
 

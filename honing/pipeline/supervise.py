@@ -22,7 +22,6 @@ them all up. The supervisor itself is not supervised.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from honing.errors import UserError
 
 NO_RESTART = frozenset({0, 2, 3, 130, 143})
 EVENTS_FILE = "events.jsonl"
@@ -88,11 +89,18 @@ def fixed_output_dir(argv: Sequence[str]) -> tuple[list[str], Path]:
 
 def append_event(run_dir: Path, kind: str, **fields) -> None:
     """Appends ``{"time", "kind", **fields}`` to ``RUN_DIR/events.jsonl`` (the child is dead,
-    so nobody else is writing it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"time": time.time(), "kind": kind, **fields}
-    with (run_dir / EVENTS_FILE).open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
+    so nobody else is writing it), as the run's own sink does: whole lines only.
+
+    Raises:
+        UserError: The file cannot be written (a full disk).
+    """
+    from honing.monitor.sinks import JsonlSink
+
+    sink = JsonlSink(run_dir / EVENTS_FILE)
+    try:
+        sink.append([{"time": time.time(), "kind": kind, **fields}])
+    finally:
+        sink.close()
 
 
 def _describe(returncode: int) -> str:
@@ -173,7 +181,7 @@ def supervise(
                     restart=restarts,
                     max_restarts=max_restarts,
                 )
-            except OSError as err:  # a full disk: the restart matters more than its record
+            except (OSError, UserError) as err:  # a full disk: the restart matters more
                 log(f"could not record the restart in {run_dir / EVENTS_FILE} ({err})")
             time.sleep(restart_delay_s)
     finally:

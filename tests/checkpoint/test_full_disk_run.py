@@ -119,7 +119,7 @@ def test_a_full_disk_is_told_from_the_error_not_the_room_the_cleanup_freed(tmpfs
         torch.save(torch.zeros(1 << 19), directory / "trainer_state.pt")  # 2 MiB more
 
     with pytest.raises(CheckpointSaveError, match="the disk is full"):
-        manager.save(1, write, expected_bytes=5 << 20)
+        manager.save(1, write, expected_bytes=lambda: 5 << 20)
     [failed] = events
     assert failed["disk_full"] and failed["free_bytes"] >= 3 << 20, failed  # the room came back
     assert failed["needed_bytes"] == 5 << 20 and "RuntimeError" in failed["reason"], failed
