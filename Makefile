@@ -60,10 +60,22 @@ export INDEX_ANSWERS
 # uv installs the rest (21 s instead of pip's 230 s on the 2-core VM, the same versions), with
 # bytecode compiled as pip does; pip does it where uv cannot be had or fails (say, an index that
 # only pip's configuration names).
+# On an x86-64 machine without CUDA the extras include vllm (vLLM built for CPUs), so that the
+# suite runs rollout.engine=vllm for real; its CUDA builds of torchvision, torchaudio and
+# torchcodec are left out (they break transformers' imports beside the CPU torch). GPU
+# machines: install upstream vllm yourself (README); EXTRAS=dev leaves vLLM out.
+EXTRAS ?= $(shell [ "$$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+	&& echo dev,vllm || echo dev)
+LEFT_OUT := torchvision torchaudio torchcodec
+
 $(STAMP): pyproject.toml
 	$(call venv_with_torch,$(VENV))
-	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e ".[dev]" \
-		|| (echo "setup: uv did not install; installing with pip" && $(PY) -m pip install -q -e ".[dev]")
+	printf '%s\n' $(LEFT_OUT) > $(VENV)/left-out.txt
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e ".[$(EXTRAS)]" \
+		--excludes $(VENV)/left-out.txt \
+		|| (echo "setup: uv did not install; installing with pip" \
+			&& $(PY) -m pip install -q -e ".[$(EXTRAS)]" \
+			&& $(PY) -m pip uninstall -q -y $(LEFT_OUT))
 	touch $(STAMP)
 
 demo: setup
