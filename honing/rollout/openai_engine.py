@@ -18,10 +18,9 @@ request are generated again elsewhere and counted (``regenerated``); when no end
 the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx answer (a bad
 request) is not retried: it raises at once with the server's message.
 
-Weights: ``load_weights(version, weights)`` sends the tensors as one safetensors body to
-``POST /update_weights?version=V`` on every endpoint (honing's server); with
-``weight_sync="disk"``, ``load_weights_from_disk`` posts ``{"model_path", "version"}`` to
-``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
+Weights: ``load_weights(version, weights)`` has the sender of ``weight_sync``
+(``honing.rollout.weight_senders``) send them to every endpoint that is up; one that comes
+back holding other weights is sent the newest before it serves a request.
 
 Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
 the experts the server's routers chose, in vLLM's or SGLang's form
@@ -34,50 +33,37 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
+from honing.rollout import openai_http
 from honing.rollout.base import (
     GenerationRequest,
     Holding,
     RolloutEngine,
     SamplingParams,
     WeightPieces,
-    weight_items,
 )
 from honing.rollout.openai_checks import check_servers, check_weight_dir
+from honing.rollout.openai_http import (
+    Endpoint,
+    EngineRequestError,
+    EngineUnavailable,
+    Retryable,
+)
 from honing.rollout.routed_experts import (
     RoutingShape,
     routed_experts,
     routes_first_choice_only,
 )
+from honing.rollout.weight_senders import make_sender
 from honing.seeds import request_seed
 from honing.types import Rollout
 
-RETRYABLE_STATUS = {429, 500, 502, 503, 504}
-
-
-class EngineUnavailable(RuntimeError):
-    """No endpoint could serve a request."""
-
-
-class EngineRequestError(ValueError):
-    """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
-
-
-@dataclass
-class _Endpoint:
-    url: str
-    down_until: float = 0.0
-    last_error: str = ""
-    failures: int = 0
-    version: int = 0  # the weight version it was last sent (or says it holds)
+__all__ = ["EngineRequestError", "EngineUnavailable", "OpenAIEngine"]
 
 
 class OpenAIEngine(RolloutEngine):
@@ -116,19 +102,18 @@ class OpenAIEngine(RolloutEngine):
         if not endpoints:
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
         super().__init__(Holding.REMOTE)
-        self.endpoints = [_Endpoint(_base_url(url)) for url in endpoints]
+        self.endpoints = [Endpoint(_base_url(url)) for url in endpoints]
         self.tokenizer = tokenizer
         self.retries, self.cooldown_s = retries, cooldown_s
         self.stop_ids = stop_ids or {tokenizer.eos_token_id}
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
-        self.weight_sync, self.weight_dir, self.model_dir = weight_sync, weight_dir, model_dir
+        self.weight_sync = weight_sync
+        self.sender = make_sender(weight_sync, self._post, weight_dir, model_dir)
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one weight upload at a time
-        # The newest weights sent: (version, "tensors", body) or (version, "disk", path).
-        self._latest: tuple[int, str, object] | None = None
         if weight_sync == "disk":
             check_weight_dir(weight_dir)
         self.model = check_servers(
@@ -216,7 +201,7 @@ class OpenAIEngine(RolloutEngine):
             endpoint = self._pick()
             try:
                 answer = self._post(endpoint, "/v1/completions", json=payload)
-            except _Retryable as err:
+            except Retryable as err:
                 errors.append(f"{endpoint.url}: {err}")
                 self._set_aside(endpoint, str(err))
                 continue
@@ -303,74 +288,29 @@ class OpenAIEngine(RolloutEngine):
     # -- weights --------------------------------------------------------------------------
 
     def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
-        """Has every endpoint sample from ``weights`` from now on, per ``weight_sync``:
-        ``tensors`` posts them as one safetensors body to ``/update_weights``; ``disk`` writes
-        them (with ``model_dir``'s config and tokenizer files) to ``weight_dir/v<version>``
-        and posts that path to ``/update_weights_from_disk``; ``none`` sends nothing.
+        """Has every endpoint sample from ``weights`` from now on, sent by the sender of
+        ``weight_sync`` (``honing.rollout.weight_senders``).
 
         An endpoint that is down is set aside and sent the newest weights when it is back,
         before it serves a request; when no endpoint takes them, ``EngineUnavailable``."""
-        if weights is not None and self.weight_sync != "none":
-            tensors = _unshared(weight_items(weights))
-            if self.weight_sync == "disk":
-                self._latest = (version, "disk", str(self._write_weights(version, tensors)))
-            else:
-                from safetensors.torch import save
-
-                self._latest = (version, "tensors", save(tensors))
-            errors = []
-            for endpoint in self.endpoints:
-                if endpoint.down_until > time.monotonic():  # synced when it is back
-                    errors.append(f"{endpoint.url}: set aside ({endpoint.last_error})")
-                    continue
-                try:
-                    self._send_latest(endpoint)
-                except _Retryable as err:
-                    errors.append(f"{endpoint.url}: {err}")
-                    self._set_aside(endpoint, str(err))
-            if len(errors) == len(self.endpoints):
-                raise EngineUnavailable(
-                    "no rollout endpoint took the new weights: " + "; ".join(errors)
-                )
-            if self.weight_sync == "disk":
-                current = Path(self._latest[2])
-                for old in current.parent.glob("v*"):  # the live servers have the new one
-                    if old != current and old.name[1:].isdigit():
-                        shutil.rmtree(old, ignore_errors=True)
-        else:  # nothing to send: the version is all that moves
+        if weights is None:  # nothing to send: the version is all that moves
             for endpoint in self.endpoints:
                 endpoint.version = version
-        self.weight_version = version
-
-    def _send_latest(self, endpoint: _Endpoint) -> None:
-        """Sends the newest weights to ``endpoint`` unless it has them."""
-        version, kind, payload = self._latest
-        if endpoint.version == version:
+            self.weight_version = version
             return
-        if kind == "disk":
-            body = {"model_path": payload, "version": version}
-            self._post(endpoint, "/update_weights_from_disk", json=body)
-        else:
-            self._post(endpoint, f"/update_weights?version={version}", content=payload)
-        endpoint.version = version
-
-    def _write_weights(self, version: int, tensors: dict) -> Path:
-        """``weight_dir/v<version>``: the weights and the model's other files, complete
-        before it takes its name."""
-        from safetensors.torch import save_file
-
-        root = Path(self.weight_dir)
-        final, partial = root / f"v{version}", root / f".v{version}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        if self.model_dir:
-            for item in Path(self.model_dir).iterdir():
-                if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
-                    shutil.copy2(item, partial / item.name)
-        save_file(tensors, partial / "model.safetensors")
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        return final
+        now = time.monotonic()
+        down = [e for e in self.endpoints if e.down_until > now]  # synced when it is back
+        errors = [f"{e.url}: set aside ({e.last_error})" for e in down]
+        with self._sync_lock:
+            live = [e for e in self.endpoints if e not in down]
+            for endpoint, error in self.sender.send(live, version, weights):
+                errors.append(f"{endpoint.url}: {error}")
+                self._set_aside(endpoint, error)
+        if len(errors) == len(self.endpoints):
+            raise EngineUnavailable(
+                "no rollout endpoint took the new weights: " + "; ".join(errors)
+            )
+        self.weight_version = version
 
     def detached_copy(self) -> OpenAIEngine:
         """Itself: the servers' models are not the trainer's, so sampling on another thread
@@ -383,7 +323,7 @@ class OpenAIEngine(RolloutEngine):
 
     # -- endpoints ------------------------------------------------------------------------
 
-    def _pick(self) -> _Endpoint:
+    def _pick(self) -> Endpoint:
         """The next endpoint in turn that is not set aside and has the newest weights; one set
         aside whose cool-down is over comes back once ``/health`` answers and it has taken the
         newest weights (a restarted server starts from its own)."""
@@ -394,11 +334,12 @@ class OpenAIEngine(RolloutEngine):
             endpoint = self.endpoints[(start + offset) % count]
             if endpoint.down_until > now or (endpoint.failures and not self._healthy(endpoint)):
                 continue
-            if self._latest is not None and endpoint.version != self._latest[0]:
+            if endpoint.version != self.weight_version:
                 with self._sync_lock:
                     try:
-                        self._send_latest(endpoint)
-                    except _Retryable as err:
+                        if not self.sender.catch_up(endpoint):
+                            continue  # behind: the next sync brings it up to date
+                    except Retryable as err:
                         self._set_aside(endpoint, str(err))
                         continue
             return endpoint
@@ -407,10 +348,10 @@ class OpenAIEngine(RolloutEngine):
             + "; ".join(f"{e.url} ({e.last_error})" for e in self.endpoints)
         )
 
-    def _healthy(self, endpoint: _Endpoint) -> bool:
+    def _healthy(self, endpoint: Endpoint) -> bool:
         try:
             answer = self._get(endpoint, "/health")
-        except (_Retryable, EngineRequestError) as err:
+        except (Retryable, EngineRequestError) as err:
             self._set_aside(endpoint, str(err))
             return False
         if "weight_version" in answer:  # honing's server says which weights it holds
@@ -418,35 +359,17 @@ class OpenAIEngine(RolloutEngine):
         endpoint.failures = 0
         return True
 
-    def _set_aside(self, endpoint: _Endpoint, error: str) -> None:
+    def _set_aside(self, endpoint: Endpoint, error: str) -> None:
         with self._lock:
             endpoint.failures += 1
             endpoint.last_error = error
             endpoint.down_until = time.monotonic() + self.cooldown_s
 
-    def _get(self, endpoint: _Endpoint, path: str) -> dict:
-        return self._send("GET", endpoint, path)
+    def _get(self, endpoint: Endpoint, path: str) -> dict:
+        return openai_http.request(self.client, "GET", endpoint, path)
 
-    def _post(self, endpoint: _Endpoint, path: str, **kwargs) -> dict:
-        return self._send("POST", endpoint, path, **kwargs)
-
-    def _send(self, method: str, endpoint: _Endpoint, path: str, **kwargs) -> dict:
-        try:
-            response = self.client.request(method, endpoint.url + path, **kwargs)
-        except httpx.HTTPError as err:  # connection refused or reset, timeout
-            raise _Retryable(f"{type(err).__name__}: {err}") from None
-        if response.status_code in RETRYABLE_STATUS:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code >= 400:
-            raise EngineRequestError(
-                f"{endpoint.url}{path} refused the request (HTTP {response.status_code}): "
-                f"{response.text[:300]}"
-            )
-        return response.json()
-
-
-class _Retryable(Exception):
-    """A failure another endpoint (or a later try) may not have."""
+    def _post(self, endpoint: Endpoint, path: str, **kwargs) -> dict:
+        return openai_http.request(self.client, "POST", endpoint, path, **kwargs)
 
 
 SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
@@ -479,16 +402,3 @@ def _token_id(token: str) -> int:
         f"a completion gave token {token!r} without its id; start vLLM with "
         "--return-tokens-as-token-ids or use a server that returns token_ids"
     )
-
-
-def _unshared(pieces) -> dict:
-    """The tensors on the CPU, one name per storage: tied weights (an embedding shared with the
-    output head) are sent once; the server's own tie carries them to the other name."""
-    tensors, seen = {}, set()
-    for name, tensor in pieces:
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors

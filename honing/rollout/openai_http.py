@@ -1,0 +1,57 @@
+"""The HTTP side of a remote rollout engine (``OpenAIEngine``) and its weight senders: an
+endpoint and what the engine knows of it, the failures worth trying elsewhere or later, and
+one request with its failure sorted into them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+class EngineUnavailable(RuntimeError):
+    """No endpoint could serve a request."""
+
+
+class EngineRequestError(ValueError):
+    """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
+
+
+class Retryable(Exception):
+    """A failure another endpoint (or a later try) may not have: connection refused or reset,
+    a timeout, HTTP 5xx or 429."""
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """A server and what the engine knows of it (one object per server: compared by
+    identity)."""
+
+    url: str
+    down_until: float = 0.0  # set aside until then (time.monotonic)
+    last_error: str = ""
+    failures: int = 0
+    version: int = 0  # the weight version it was last sent (or says it holds)
+
+
+def request(client: httpx.Client, method: str, endpoint: Endpoint, path: str, **kwargs) -> dict:
+    """The JSON answer of ``method endpoint.url+path``.
+
+    Raises:
+        Retryable: the request did not get through, or a 5xx or 429 answered it.
+        EngineRequestError: any other 4xx (the server's message included).
+    """
+    try:
+        response = client.request(method, endpoint.url + path, **kwargs)
+    except httpx.HTTPError as err:  # connection refused or reset, timeout
+        raise Retryable(f"{type(err).__name__}: {err}") from None
+    if response.status_code in RETRYABLE_STATUS:
+        raise Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+    if response.status_code >= 400:
+        raise EngineRequestError(
+            f"{endpoint.url}{path} refused the request (HTTP {response.status_code}): "
+            f"{response.text[:300]}"
+        )
+    return response.json()
