@@ -1,0 +1,71 @@
+"""honing's weight-transfer engine inside a vLLM server's workers (``--weight-transfer-config
+'{"backend": "honing"}'``): each ``/update_weights`` names a bucket file the trainer wrote
+(``honing.rollout.vllm_weights``), which the worker loads through vLLM's layerwise reload
+and deletes. It runs on any device vLLM runs on, CPUs included, where vLLM's own engines
+(NCCL, CUDA IPC) need CUDA.
+
+vLLM imports this module in its worker processes only (the factory's lazy path, registered
+by ``vllm_weights.register``), so it imports vllm at the top; nothing in honing imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from honing.rollout.vllm_weights import read_bucket, refresh_tied_head
+
+
+@dataclass
+class BucketInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: files need no rendezvous."""
+
+
+@dataclass
+class BucketUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: the path of its safetensors file."""
+
+    path: str
+
+
+class SharedMemoryTransfer(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
+    """Loads the bucket files an update names (see the module)."""
+
+    init_info_cls = BucketInitInfo
+    update_info_cls = BucketUpdateInfo
+
+    def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        """The base class's, without its ``torch.accelerator.synchronize()`` (which raises
+        where there is no accelerator); loading from a file is synchronous."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: BucketUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        weights = read_bucket(update_info.path)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_head(self.model)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,96 @@
+"""What both sides of a weight update into vLLM share: the shared-memory bucket files that
+carry the weights to a vLLM server's workers, the plugin that registers honing's transfer
+engine with vLLM, and the repair of a tied output head after vLLM reloads weights.
+
+The transport (``rollout.weight_sync=vllm`` against a server launched with
+``--weight-transfer-config '{"backend": "honing"}'``): the trainer writes each bucket of
+weights as a safetensors file (``write_bucket``) in a directory the server's workers see
+(``/dev/shm`` by default: memory, not disk), and names it in ``/update_weights``; the worker
+reads it (``read_bucket``), loads it through vLLM's layerwise reload and deletes it. Files,
+not a gloo group, because nothing has to meet: no rendezvous, no port, no collective that
+hangs when one side dies; a bucket is one file the size of the bucket.
+
+Imports stay light here (no vllm, no torch at module level): vLLM loads ``register`` in every
+one of its processes through the ``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+BACKEND = "honing"  # the backend name in --weight-transfer-config
+BUCKET_PREFIX = "honing-bucket-"
+BUCKET_SUFFIX = ".safetensors"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: makes ``honing`` a weight-transfer backend
+    of vLLM (``honing.rollout.vllm_transfer``, imported only when a server uses it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "honing.rollout.vllm_transfer", "SharedMemoryTransfer"
+        )
+
+
+def write_bucket(directory: str | Path, name: str, tensors: dict) -> Path:
+    """``tensors`` as the safetensors file ``directory/honing-bucket-<name>.safetensors``,
+    complete before it takes its name."""
+    from safetensors.torch import save_file
+
+    final = Path(directory) / f"{BUCKET_PREFIX}{name}{BUCKET_SUFFIX}"
+    partial = final.with_name(f".{final.name}.partial")
+    save_file(tensors, partial)
+    partial.rename(final)
+    return final
+
+
+def read_bucket(path: str) -> list:
+    """The (name, tensor) pairs of a bucket file, which is deleted once read (also when it
+    cannot be read). Only honing's bucket files are read, so that a caller of the server's
+    API cannot have it read or delete any other file.
+
+    Raises:
+        ValueError: ``path`` does not name a bucket file.
+    """
+    from safetensors.torch import load_file
+
+    bucket = Path(path)
+    if not (bucket.name.startswith(BUCKET_PREFIX) and bucket.name.endswith(BUCKET_SUFFIX)):
+        raise ValueError(f"{path}: not a honing weight bucket ({BUCKET_PREFIX}*{BUCKET_SUFFIX})")
+    try:
+        return list(load_file(bucket).items())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(bucket)
+
+
+def refresh_tied_head(model) -> bool:
+    """Has a vLLM model's output head compute with its current weights after a layerwise
+    reload; returns whether it had to.
+
+    An output head tied to the input embeddings (``lm_head.weight`` is ``embed_tokens.weight``)
+    loads no weight of its own, so the reload leaves it unprocessed: on CPU it keeps the
+    oneDNN-packed copy of the old weights that its ``quant_method`` made at load time, and its
+    logits stay the old model's while the rest of the model is new (greedy tokens may still
+    agree; logprobs differed by up to 1.2 nats on the tiny model). Running the head's
+    ``process_weights_after_loading`` again packs the new weights. Only an unquantized tied
+    head is repacked: a quantized one would be processed twice.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    method = getattr(head, "quant_method", None)
+    if weight is None or not isinstance(method, UnquantizedEmbeddingMethod):
+        return False
+    tied = any(
+        module is not head and getattr(module, "weight", None) is weight
+        for module in model.modules()
+    )
+    if tied:
+        method.process_weights_after_loading(head)
+    return tied
