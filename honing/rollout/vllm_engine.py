@@ -1,0 +1,269 @@
+"""vLLM in the trainer's process (``rollout.engine=vllm``): the colocated engine.
+
+vLLM's ``LLM`` runs here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), loaded from the policy's
+model directory; every weight version after that is loaded in place, bucket by bucket, with
+vLLM's layerwise reload (``vllm_weights.py``): no disk, no whole copy of the model. Each
+request samples with a seed of its own derived from the call's seed and the request's position,
+so a step's samples do not depend on history; the logprob of each sampled token is vLLM's
+``processed_logprobs``, taken from the distribution the token was sampled from (after
+temperature, top-k and top-p), which is what importance weights need.
+
+vLLM holds a plain model: its pieces are the policy's under the plain model's names, a LoRA
+policy's adapters merged (``Holding.REMOTE``). On CUDA, ``sleep`` frees the KV cache and moves
+the weights off the GPU between generations (vLLM's sleep mode), so the trainer has the memory
+while it updates.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from honing.rollout.base import (
+    GenerationRequest,
+    Holding,
+    RolloutEngine,
+    SamplingParams,
+    WeightBuckets,
+)
+from honing.rollout.vllm_weights import refresh_tied_head
+from honing.seeds import request_seed
+from honing.types import Rollout
+
+INSTALL_HINT = (
+    'rollout.engine=vllm needs vLLM: pip install -e ".[vllm]" (x86-64 CPUs), or upstream vllm '
+    "on a GPU machine (README)"
+)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How vLLM runs: its KV cache (CPU: bytes reserved; CUDA: 0 lets
+    ``gpu_memory_utilization`` size it), eager or compiled (CUDA graphs), CUDA's share of the
+    GPU and sleep mode between generations, sequences in flight, the weights' dtype."""
+
+    kv_cache_mb: int = 256
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    sleep: bool = False
+    max_num_seqs: int = 256
+    dtype: str = "float32"
+    seed: int = 0
+
+
+def vllm_available() -> str | None:
+    """None when vLLM imports, else the one line that says how to install it."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return INSTALL_HINT
+    return None
+
+
+def _begin_reload(worker) -> None:
+    """In vLLM's worker: the model's layers wait for their new tensors (layerwise reload)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    with set_current_vllm_config(worker.vllm_config):
+        _redo_cpu_expert_packing(model)
+        initialize_layerwise_reload(model)
+
+
+def _redo_cpu_expert_packing(model) -> None:
+    """On a CPU, vLLM pads and prepacks each MoE layer's expert weights for its grouped GEMM
+    when they first load, and skips that step when they load again (it keeps the storage for
+    CUDA graphs): a reloaded expert weight would not fit the packed storage, or would sit in
+    it unpacked. Forgetting the layer's kernel makes the reload process it as a first load."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
+def _load_bucket(worker, bucket: list) -> None:
+    """In vLLM's worker: one bucket of (name, tensor) pieces into the model; a layer is
+    processed (repacked for its kernels) as soon as all its tensors have come."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
+        worker.model_runner.model.load_weights(bucket)
+
+
+def _finish_reload(worker) -> None:
+    """In vLLM's worker: the layers that got nothing keep their tensors; a tied output head
+    is repacked with the new embeddings (``refresh_tied_head``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    model = worker.model_runner.model
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        refresh_tied_head(model)
+
+
+def _vllm_sampling(params: SamplingParams, max_tokens: int, seed: int, stop_ids, n: int):
+    from vllm import SamplingParams as VLLMSampling
+
+    return VLLMSampling(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=0.0 if params.greedy else params.temperature,
+        top_k=0 if params.greedy else params.top_k,
+        top_p=1.0 if params.greedy else params.top_p,
+        seed=seed,
+        logprobs=0,  # the sampled token's own logprob
+        stop_token_ids=sorted(stop_ids),
+        ignore_eos=True,  # the stop ids above are the whole set (the tokenizer's EOS included)
+        detokenize=False,
+    )
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with vLLM's ``LLM`` in this process; takes each new version as buckets of the
+    plain model's (name, tensor) pieces. ``stop_ids``: the token ids that end a response
+    (the tokenizer's EOS and the model's generation config's); ``max_seq_len``: the model
+    length vLLM reserves for (prompt + response)."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        tokenizer,
+        *,
+        stop_ids: set[int],
+        max_seq_len: int,
+        settings: VLLMSettings | None = None,
+        device_type: str = "cpu",
+    ):
+        super().__init__(Holding.REMOTE)
+        if (hint := vllm_available()) is not None:
+            raise ImportError(hint)
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.settings = settings or VLLMSettings()
+        self.cuda = device_type == "cuda"
+        self.model_dir = str(model_dir)
+        self.max_seq_len = max_seq_len
+        started = time.perf_counter()
+        self.llm = self._start(max_seq_len)
+        self.start_seconds = time.perf_counter() - started
+        self._asleep = False
+
+    def _start(self, max_seq_len: int):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        s = self.settings
+        options: dict = {}
+        if self.cuda:
+            options["gpu_memory_utilization"] = s.gpu_memory_utilization
+            options["enable_sleep_mode"] = s.sleep
+            if s.kv_cache_mb:
+                options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
+        else:  # on a CPU, gpu_memory_utilization would reserve that share of the RAM
+            options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
+        return LLM(
+            model=self.model_dir,
+            skip_tokenizer_init=True,
+            dtype=s.dtype,
+            enforce_eager=s.enforce_eager,
+            max_model_len=max_seq_len,
+            max_num_seqs=s.max_num_seqs,
+            seed=s.seed,
+            logprobs_mode="processed_logprobs",
+            **options,
+        )
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        from vllm.inputs import TokensPrompt
+
+        for r in requests:
+            if len(r.prompt_ids) >= min(params.max_seq_len, self.max_seq_len):
+                raise ValueError(
+                    f"prompt {r.prompt_id} has {len(r.prompt_ids)} tokens; rollout.max_seq_len "
+                    f"is {min(params.max_seq_len, self.max_seq_len)} (raise it or shorten the "
+                    "prompt)"
+                )
+        self._wake()
+        # vLLM samples greedily one sequence per request: a greedy group is n requests.
+        copies, n = (params.n, 1) if params.greedy else (1, params.n)
+        flat = [r for r in requests for _ in range(copies)]
+        prompts, sampling = [], []
+        for index, r in enumerate(flat):
+            budget = min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids))
+            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
+            seed = request_seed(params.seed, index)
+            sampling.append(_vllm_sampling(params, budget, seed, self.stop_ids, n))
+        started = time.perf_counter()
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        rollouts = [
+            self._rollout(request, completion, seconds)
+            for request, output in zip(flat, outputs, strict=True)
+            for completion in output.outputs
+        ]
+        self._rest()
+        return rollouts
+
+    def _rollout(self, request: GenerationRequest, completion, seconds: float) -> Rollout:
+        ids = list(completion.token_ids)
+        entries = zip(completion.logprobs, ids, strict=True)
+        logprobs = [entry[token].logprob for entry, token in entries]
+        reason = completion.finish_reason
+        if reason not in ("stop", "length"):
+            reason = "abort"
+        return Rollout(
+            prompt_id=request.prompt_id,
+            group_index=request.group_index,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=ids,
+            behaviour_logprobs=logprobs,
+            finish_reason=reason,
+            weight_version=self.weight_version,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            gen_seconds=seconds,
+        )
+
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
+        """Loads each bucket into vLLM's model as it comes (layerwise reload: a layer is
+        processed once all its tensors have arrived), then drops the prefix cache, whose
+        keys and values were computed with the old weights."""
+        if weights is not None:
+            if self._asleep:
+                self.llm.wake_up(tags=["weights"])
+            self.llm.collective_rpc(_begin_reload)
+            for bucket in weights:
+                self.llm.collective_rpc(_load_bucket, args=(list(bucket),))
+            self.llm.collective_rpc(_finish_reload)
+            self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _rest(self) -> None:
+        """CUDA with ``sleep``: frees the KV cache and offloads the weights until the next
+        generation, so the update has the GPU's memory."""
+        if self.cuda and self.settings.sleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def detached_copy(self) -> VLLMEngine:
+        """Itself: vLLM holds weights of its own, which only ``load_weights`` changes."""
+        return self
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
