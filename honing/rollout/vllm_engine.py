@@ -28,7 +28,7 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.vllm_weights import refresh_tied_head
+from honing.rollout.vllm_weights import redo_cpu_expert_packing, refresh_tied_head
 from honing.seeds import request_seed
 from honing.types import Rollout
 
@@ -69,23 +69,8 @@ def _begin_reload(worker) -> None:
 
     model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):
-        _redo_cpu_expert_packing(model)
+        redo_cpu_expert_packing(model)
         initialize_layerwise_reload(model)
-
-
-def _redo_cpu_expert_packing(model) -> None:
-    """On a CPU, vLLM pads and prepacks each MoE layer's expert weights for its grouped GEMM
-    when they first load, and skips that step when they load again (it keeps the storage for
-    CUDA graphs): a reloaded expert weight would not fit the packed storage, or would sit in
-    it unpacked. Forgetting the layer's kernel makes the reload process it as a first load."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
-            method.moe_kernel = None
 
 
 def _load_bucket(worker, bucket: list) -> None:

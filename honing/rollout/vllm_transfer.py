@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from honing.rollout.vllm_weights import read_bucket, refresh_tied_head
+from honing.rollout.vllm_weights import read_bucket, redo_cpu_expert_packing, refresh_tied_head
 
 
 @dataclass
@@ -45,6 +45,7 @@ class SharedMemoryTransfer(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        redo_cpu_expert_packing(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:

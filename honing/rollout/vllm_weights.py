@@ -94,3 +94,18 @@ def refresh_tied_head(model) -> bool:
     if tied:
         method.process_weights_after_loading(head)
     return tied
+
+
+def redo_cpu_expert_packing(model) -> None:
+    """On a CPU, vLLM pads and prepacks each MoE layer's expert weights for its grouped GEMM
+    when they first load, and skips that step when they load again (it keeps the storage for
+    CUDA graphs): a reloaded expert weight would not fit the packed storage, or would sit in
+    it unpacked. Forgetting the layer's kernel makes the reload process it as a first load."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
