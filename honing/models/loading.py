@@ -123,6 +123,25 @@ def disable_dropout(model) -> None:
                 setattr(module, name, 0.0)
 
 
+# transformers before 5.23 names activation checkpointing "gradient checkpointing"; from 5.23
+# it is "activation checkpointing", and each use of the old names warns (they go in 6). These
+# two take whichever the installed release has.
+
+
+def set_activation_checkpointing(model, on: bool) -> None:
+    """Recompute each decoder layer's activations in the backward pass (less memory, one more
+    forward), or stop doing so."""
+    action = "enable" if on else "disable"
+    method = getattr(model, f"activation_checkpointing_{action}", None)
+    (method or getattr(model, f"gradient_checkpointing_{action}"))()
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on for ``model`` (a LoRA wrapper reads its base)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
 def save_model(model, tokenizer, directory: str | Path) -> None:
     """Write ``model`` and ``tokenizer`` in Hugging Face format (safetensors)."""
     model.save_pretrained(directory, safe_serialization=True)

@@ -26,6 +26,7 @@ from honing.models.loading import (
     load_causal_lm,
     load_tokenizer,
     resolve_device,
+    set_activation_checkpointing,
 )
 from honing.models.tiny import TINY, TINY_MOE, TinySpec, build_tiny_model
 from honing.pipeline.inputs import (
@@ -178,9 +179,8 @@ def build_components(config: Config, log=print, group=None) -> Components:
     policy = load_causal_lm(
         model_path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
     )
-    if m.gradient_checkpointing:  # transformers 5 renamed it; the old name warns (gone in 6)
-        enable = getattr(policy, "activation_checkpointing_enable", None)
-        (enable or policy.gradient_checkpointing_enable)()
+    if m.gradient_checkpointing:
+        set_activation_checkpointing(policy, True)
     check_policy_routing(config, policy)
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)

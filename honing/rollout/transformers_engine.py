@@ -112,7 +112,7 @@ class TransformersEngine(RolloutEngine):
         self.device = device
         self.generation_batch = generation_batch
         self.stop_ids = stop_token_ids(model, tokenizer)
-        # transformers 5.x calls the KV cache argument `cache`; 4.x called it `past_key_values`.
+        # The KV cache argument: `cache` from transformers 5.24, `past_key_values` before.
         forward_args = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self.fast_decode_reason = supports(model) if fast_decode else "disabled"

@@ -41,6 +41,7 @@ from honing.models.llama_block import (
     supports,
     unwrap,
 )
+from honing.models.loading import activation_checkpointing
 from honing.trainer.head import head_logprobs
 
 
@@ -54,7 +55,7 @@ def packed_supported(model: nn.Module) -> bool | str:
     if reason is not True:
         return reason
     base = unwrap(model)
-    if _checkpointing(base):
+    if activation_checkpointing(base):
         return "gradient checkpointing is on"
     if model.training and getattr(base.config, "attention_dropout", 0.0):
         return "attention dropout in training"
@@ -75,14 +76,6 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    """Activation checkpointing on? (transformers 5 names it ``is_activation_checkpointing``;
-    reading the older ``is_gradient_checkpointing`` warns on every call.)"""
-    if hasattr(type(model), "is_activation_checkpointing"):
-        return bool(model.is_activation_checkpointing)
-    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 @dataclass

@@ -4,6 +4,7 @@ fast paths for a non-Llama model), the run trains as it would otherwise and says
 import json
 
 from honing.backends.launch import train
+from honing.models.loading import activation_checkpointing
 from honing.pipeline.components import build_components
 
 from ._configs import small_run_config
@@ -21,7 +22,7 @@ def test_checkpointing_trains_as_without_it(tmp_path, micro_model_dir, digit_rew
         micro_model_dir, digit_reward, **common | {"model.gradient_checkpointing": True}
     )
     parts = build_components(config, log=logged.append)
-    assert parts.policy.is_activation_checkpointing
+    assert activation_checkpointing(parts.policy)
     assert any("gradient checkpointing is on" in line for line in logged), logged
     train(config, tmp_path / "ckpt", log=lambda m: None)
     train(

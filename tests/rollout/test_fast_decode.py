@@ -74,11 +74,18 @@ def weights(request, monkeypatch):
     return request.param
 
 
+def hf_decoder(model, tokenizer) -> _HFDecoder:
+    """The engine's decoder over the Hugging Face forward, which passes the KV cache under the
+    argument name of the installed transformers (``cache`` or ``past_key_values``: a wrong one
+    is taken silently and each step then sees only its own token)."""
+    return TransformersEngine(model, tokenizer, device=CPU, fast_decode=False)._decoder()
+
+
 @torch.no_grad()
 def test_prefill_and_decode_logits_equal_the_hf_forward(model, tokenizer, weights):
     assert supports(model) is True
     ids, mask, positions = left_padded(tokenizer)
-    fast, hf = FastDecoder(model), _HFDecoder(model, "cache")
+    fast, hf = FastDecoder(model), hf_decoder(model, tokenizer)
     expected = hf.prefill(ids, mask, positions, 5)  # [B, V]
     actual = fast.prefill(ids, mask, positions, 5)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
@@ -134,7 +141,7 @@ def test_a_weight_update_is_seen_without_rebuilding(tokenizer):
     model.load_state_dict(state, strict=False)
     after = fast.prefill(ids, mask, positions, 1)
     assert not torch.allclose(before, after, atol=1e-3)
-    expected = _HFDecoder(model, "cache").prefill(ids, mask, positions, 1)
+    expected = hf_decoder(model, tokenizer).prefill(ids, mask, positions, 1)
     torch.testing.assert_close(after, expected, atol=1e-5, rtol=0)
 
 

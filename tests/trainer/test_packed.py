@@ -7,11 +7,19 @@ Hugging Face forward, for a random Qwen2 with q/k/v biases and grouped-query att
 the repo's micro Llama.
 """
 
+import warnings
+
 import pytest
 import torch
 
 from honing.models import llama_block
-from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.models.llama_block import unwrap
+from honing.models.loading import (
+    activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    set_activation_checkpointing,
+)
 from honing.trainer import packed
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.packed import packed_layout, packed_supported
@@ -118,15 +126,30 @@ def test_gradients_equal_the_models_own_forward(model, batch, path):
 
 def test_unsupported_models_say_why_and_fall_back(model, batch):
     assert packed_supported(model) is True
-    model.activation_checkpointing_enable()
+    set_activation_checkpointing(model, True)
     try:
+        assert activation_checkpointing(model)
         assert packed_supported(model) == "gradient checkpointing is on"
         with torch.no_grad():  # falls back to the model's forward: same numbers
             fallback, _ = response_logprobs(model, batch, packed=True)
             plain, _ = response_logprobs(model, batch)
         assert torch.equal(fallback, plain)
     finally:
-        model.activation_checkpointing_disable()
+        set_activation_checkpointing(model, False)
+    assert not activation_checkpointing(model)
+
+
+def test_checkpointing_is_switched_by_the_installed_releases_own_names(model):
+    """On and off, on the model and through a LoRA wrapper, without the deprecated names
+    (transformers releases that renamed it warn on each use of the old ones)."""
+    wrapped = lora_wrapped(model)  # PEFT reads the old name when it wraps: outside the check
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for module in (model, wrapped):
+            set_activation_checkpointing(module, True)
+            assert activation_checkpointing(module) and activation_checkpointing(unwrap(module))
+            set_activation_checkpointing(module, False)
+            assert not activation_checkpointing(module)
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
