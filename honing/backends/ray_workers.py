@@ -20,10 +20,8 @@ from honing.rollout.base import (
     Holding,
     RolloutEngine,
     SamplingParams,
-    WeightPieces,
-    buckets,
+    WeightBuckets,
     chunked,
-    weight_items,
 )
 from honing.rollout.mtp import MTP_PREFIX
 from honing.rollout.speculative import merge_metrics
@@ -53,20 +51,22 @@ class RolloutWorker:
 
     def generate(self, version: int, buckets, requests, params):
         """The rollouts, and the engine's report (speculation, timeouts) of this call;
-        ``buckets``: the references of the weights' pieces, when this worker lacks
-        ``version``."""
+        ``buckets``: the object references of the weights' buckets, when this worker lacks
+        ``version`` (fetched one at a time)."""
         if buckets is not None:
             heads = {}  # rollout.speculative=mtp: the heads the trainer trains
 
-            def policy_pieces():
+            def policy_buckets():
                 for ref in buckets:
+                    bucket = []
                     for name, tensor in ray.get(ref):
                         if name.startswith(MTP_PREFIX):
                             heads[name.removeprefix(MTP_PREFIX)] = tensor
                         else:
-                            yield name, tensor
+                            bucket.append((name, tensor))
+                    yield bucket
 
-            self.engine.load_weights(version, policy_pieces())
+            self.engine.load_weights(version, policy_buckets())
             if heads:
                 self.engine.speculation.draft_model.load_state_dict(heads)
         rollouts = self.engine.generate(requests, params)
@@ -84,7 +84,7 @@ class RayRolloutEngine(_Pool, RolloutEngine):
         super().__init__(config, control, rid, report, RolloutWorker, resources)
         RolloutEngine.__init__(self, Holding.REMOTE)  # the workers' models, elsewhere
         self.model_dir, self.chunk = str(model_dir), settings.rollout_chunk
-        self._latest = None  # (version, ObjectRef of the weights)
+        self._latest = None  # (version, the ObjectRefs of its buckets)
         self.reconcile(quiet=True)
 
     def _actor_args(self) -> tuple:
@@ -97,14 +97,12 @@ class RayRolloutEngine(_Pool, RolloutEngine):
     def detached_copy(self) -> RayRolloutEngine:
         return self  # the workers hold their own models
 
-    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
-        """Puts the weights in Ray's object store a bucket at a time (a host copy of one
-        bucket at once); each worker fetches them once, before its next task."""
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
+        """Puts the weights in Ray's object store, one object per bucket as it comes (a host
+        copy of one bucket at once); each worker fetches them once, a bucket at a time,
+        before its next task."""
         if weights is not None:
-            refs = [
-                ray.put([(name, t.detach().to("cpu", copy=True)) for name, t in bucket])
-                for bucket in buckets(weight_items(weights))
-            ]
+            refs = [ray.put(_on_host(bucket)) for bucket in weights]
             self._latest = (version, refs)
         self.weight_version = version
 
@@ -133,6 +131,11 @@ class RayRolloutEngine(_Pool, RolloutEngine):
         merged = merge_metrics([metrics for metrics, _ in reports])
         with self.report.lock:
             self.report.once = merge_metrics([self.report.once, merged])
+
+
+def _on_host(bucket: list) -> list:
+    """A copy of ``bucket``'s tensors in host memory, for the object store."""
+    return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
 
 
 @ray.remote

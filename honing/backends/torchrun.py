@@ -43,6 +43,7 @@ from honing.rollout.base import (
     Holding,
     RolloutEngine,
     SamplingParams,
+    WeightBuckets,
     chunked,
 )
 from honing.rollout.speculative import merge_metrics
@@ -304,7 +305,7 @@ class SpreadEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self.local.weight_version
 
-    def load_weights(self, version: int, weights=None) -> None:
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
         self.local.load_weights(version, weights)
 
     def detached_copy(self) -> RolloutEngine:

@@ -323,7 +323,8 @@ def mtp_trainer(config: Config, local: TransformersEngine):
         return None
     heads = local.speculation.draft_model
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.rollout.mtp_lr)
-    return TrainedModule("mtp", heads, optimizer, serves_generation=True)
+    bucket_bytes = config.rollout.weight_bucket_mb << 20
+    return TrainedModule("mtp", heads, optimizer, serves_generation=True, bucket_bytes=bucket_bytes)
 
 
 def local_engine(

@@ -37,11 +37,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import partial
 
 from honing.config import Config
 from honing.pipeline.collect import Collected, generate_round, score_round
 from honing.pipeline.components import Components
 from honing.pipeline.inputs import build_scorer
+from honing.rollout.base import WeightBucket, WeightStream
 
 STOP = object()  # a scoring thread's end-of-work marker
 MAX_SCORERS = 4  # scoring threads at most (each holds a scorer: clients, worker pools)
@@ -79,7 +81,8 @@ class RolloutProducer:
         self.parts = replace(parts, engine=self.engine)
         self.start, self.total = start, config.trainer.total_steps
         self._lock = threading.Condition()
-        self._published: dict[int, list | None] = {start: None}  # version -> weights
+        # version -> its buckets (None: the engine's own at the start)
+        self._published: dict[int, list[WeightBucket] | None] = {start: None}
         self._trained = start  # the newest published version
         self._cursors: dict[int, dict] = {}  # step -> data cursor before its prompts
         self._ready: dict[int, Produced] = {}
@@ -131,9 +134,9 @@ class RolloutProducer:
             "timing_s/engine_idle": engine_idle,
         }
 
-    def publish(self, version: int, weights: list) -> None:
-        """The trainer's weights after update ``version``, as (name, tensor) pieces the
-        trainer will not modify (``weight_sync.snapshot``)."""
+    def publish(self, version: int, weights: list[WeightBucket]) -> None:
+        """The trainer's weights after update ``version``, as buckets of (name, tensor)
+        pieces the trainer will not modify (``weight_sync.snapshot``)."""
         with self._lock:
             self._published[version] = weights
             self._trained = version
@@ -210,7 +213,8 @@ class RolloutProducer:
                 for old in [s for s in self._cursors if s < step - self.max_staleness - 2]:
                     del self._cursors[old]
             if version != self.engine.weight_version:
-                self.engine.load_weights(version, weights)
+                # kept here until a newer version loads: the engine may read them again
+                self.engine.load_weights(version, WeightStream(weights, partial(iter, weights)))
             prompts = self.parts.source.next_batch()
             generated = generate_round(self.parts, prompts, 0, self.seed_of(step))
             while not self._stopping:  # the scorer may be busy, or gone after an error

@@ -49,7 +49,8 @@ class Inline:
 
     def publish(self, step: int) -> dict[str, float]:
         with self.peers.together("sync", step):
-            return {"perf/sync_mb": send_weights(self.parts, step) / 2**20}
+            sent = send_weights(self.parts, step, kept=True)  # kept until the next update
+            return {"perf/sync_mb": sent / 2**20}
 
     def source_state(self, next_step: int) -> dict | None:
         return None  # the prompt source's own: nothing is drawn ahead

@@ -5,63 +5,74 @@ in-process copy of the policy module takes the module's own tensors (a LoRA wrap
 included; the MTP heads it shares need nothing); an engine in other processes (Ray workers,
 inference servers) holds the plain model and takes a LoRA policy's adapters merged into the
 base weights, with the MTP heads trained here under ``MTP_PREFIX``. Either way the weights go
-as (name, tensor) pieces in the trainer engine's bounded buckets, so no whole copy of the model
-is made to send it; an engine that shares the trainer's module only learns the version.
-``send_weights`` returns the bytes it sent: the step's ``perf/sync_mb``.
+as the trainer engine's buckets of (name, tensor) pieces (``rollout.weight_bucket_mb`` each),
+made as the engine asks for them, so no whole copy of the model is made to send it; an engine
+that shares the trainer's module only learns the version. ``send_weights`` returns the bytes
+it sent: the step's ``perf/sync_mb``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import torch
+from functools import partial
 
 from honing.models.loading import plain_weight_items
 from honing.pipeline.components import Components
-from honing.rollout.base import Holding, RolloutEngine
+from honing.rollout.base import Holding, RolloutEngine, WeightBucket, WeightStream
 from honing.rollout.mtp import MTP_PREFIX
 
 
-def rollout_weights(parts: Components, engine: RolloutEngine) -> Iterator[tuple[str, torch.Tensor]]:
-    """The pieces ``engine`` loads to sample with the policy's current weights."""
+def rollout_weights(parts: Components, engine: RolloutEngine) -> Iterator[WeightBucket]:
+    """The buckets ``engine`` loads to sample with the policy's current weights."""
     trainers = parts.trainers
     if engine.holds is not Holding.REMOTE:
-        for bucket in trainers.policy.weights():
-            yield from bucket
+        yield from trainers.policy.weights()
         return
-    for bucket in trainers.policy.weights(plain_weight_items):
-        yield from bucket
+    yield from trainers.policy.weights(plain_weight_items)
     if trainers.mtp is not None:
         for bucket in trainers.mtp.weights():
-            yield from ((MTP_PREFIX + name, tensor) for name, tensor in bucket)
+            yield [(MTP_PREFIX + name, tensor) for name, tensor in bucket]
 
 
-def send_weights(parts: Components, version: int, remote: bool = True) -> int:
+def send_weights(parts: Components, version: int, remote: bool = True, kept: bool = False) -> int:
     """Makes the engines sample from the policy's current weights as ``version``: one that
     shares the trainer's module records the version; any other is sent the weights. Under a
     sharded layout every rank runs this (each tensor is gathered from all of them) and each
     loads its own in-process engines; the weights go to engines elsewhere (inference
-    servers) from rank 0 alone (``remote``), the others taking part in the gathers only."""
+    servers) from rank 0 alone (``remote``), the others taking part in the gathers only.
+
+    ``kept``: the trainer keeps these weights until the next call and nothing samples while
+    they change (the sync schedule), so an engine may read them again from the live module
+    to send them once more (a server that comes back); not under a sharded layout, whose
+    reads every rank must join."""
     sent = 0
 
-    def counted(pieces):
+    def counted(buckets):
         nonlocal sent
-        for name, tensor in pieces:
-            sent += tensor.numel() * tensor.element_size()
-            yield name, tensor
+        for bucket in buckets:
+            sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            yield bucket
 
     for engine in dict.fromkeys([parts.val_engine, parts.engine]):  # the same one once
         if engine.holds is Holding.SHARED:
             engine.load_weights(version)
         elif engine.holds is Holding.COPY or remote:
-            engine.load_weights(version, counted(rollout_weights(parts, engine)))
+            again = None
+            if kept and not parts.trainers.policy.is_sharded:
+                again = partial(rollout_weights, parts, engine)
+            stream = WeightStream(counted(rollout_weights(parts, engine)), again)
+            engine.load_weights(version, stream)
         else:
             for _ in rollout_weights(parts, engine):
                 pass
     return sent
 
 
-def snapshot(parts: Components, engine: RolloutEngine) -> list[tuple[str, torch.Tensor]]:
-    """A copy of ``rollout_weights`` that later updates leave alone: what a producer thread
-    loads into its own engine while the trainer goes on (one_step / async)."""
-    return [(name, tensor.detach().clone()) for name, tensor in rollout_weights(parts, engine)]
+def snapshot(parts: Components, engine: RolloutEngine) -> list[WeightBucket]:
+    """A copy of ``rollout_weights``, bucket by bucket, that later updates leave alone: what
+    a producer thread loads into its own engine while the trainer goes on (one_step /
+    async)."""
+    return [
+        [(name, tensor.detach().clone()) for name, tensor in bucket]
+        for bucket in rollout_weights(parts, engine)
+    ]

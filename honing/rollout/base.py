@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -11,9 +11,11 @@ from typing import Any
 from honing.seeds import task_seed
 from honing.types import Rollout
 
-# Weights as rollout engines receive them: (name, tensor) pieces, in bounded buckets from the
-# trainer, so that a large model is never copied whole to be sent.
-WeightPieces = Iterable[tuple[str, Any]]
+# Weights as rollout engines receive them: buckets of (name, tensor) pieces, each of at most
+# rollout.weight_bucket_mb (a larger tensor alone), made by the trainer engine as they are
+# asked for, so that a large model is never copied whole to be sent.
+WeightBucket = list[tuple[str, Any]]
+WeightBuckets = Iterable[WeightBucket]
 EngineReport = tuple[dict[str, float], list[tuple[str, dict]]]
 
 
@@ -49,6 +51,21 @@ class GenerationRequest:
     group_index: int
 
 
+@dataclass
+class WeightStream:
+    """Weight buckets to load (iterating it gives ``buckets``), and ``again``: how to make the
+    same weights again later, for an engine that may have to send them once more (a server
+    that comes back holding other weights), or None. ``again`` holds no copy of its own: it
+    reads the live module (valid while the trainer keeps these weights) or a snapshot kept
+    anyway."""
+
+    buckets: WeightBuckets
+    again: Callable[[], WeightBuckets] | None = None
+
+    def __iter__(self) -> Iterator[WeightBucket]:
+        return iter(self.buckets)
+
+
 class Holding(Enum):
     """What policy an engine samples with, and so how it takes new weights."""
 
@@ -65,9 +82,11 @@ class RolloutEngine(ABC):
     ``holds`` (a constructor argument): what the engine samples with (``Holding``).
     ``generate`` returns ``n`` rollouts per request, grouped by request, in request order.
     ``load_weights`` makes the engine sample from policy ``version`` from now on: a
-    ``SHARED`` engine only records the version; any other needs the weights, as pieces
-    (``COPY``: the policy module's own names, a LoRA wrapper's included; ``REMOTE``: the plain
-    model's, a LoRA policy's adapters merged). ``detached_copy`` gives an engine that can
+    ``SHARED`` engine only records the version; any other needs the weights, as buckets of
+    (name, tensor) pieces (``COPY``: the policy module's own names, a LoRA wrapper's included;
+    ``REMOTE``: the plain model's, a LoRA policy's adapters merged), taken one bucket at a time
+    and let go before the next is asked for (the next may reuse the memory: a bucket's tensors
+    are valid only until then). ``detached_copy`` gives an engine that can
     sample on another thread while the trainer's module changes (itself, for engines in other
     processes). ``take_report`` hands over the metrics and events of the calls since the last
     take; ``regenerated`` counts samples generated again after a worker or server failed;
@@ -86,7 +105,7 @@ class RolloutEngine(ABC):
     ) -> list[Rollout]: ...
 
     @abstractmethod
-    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None: ...
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None: ...
 
     @abstractmethod
     def detached_copy(self) -> RolloutEngine: ...
@@ -96,31 +115,6 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         return None
-
-
-def weight_items(weights: WeightPieces | Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """The (name, tensor) pieces of ``weights``: pieces as they come, or a mapping's items."""
-    if isinstance(weights, Mapping):
-        yield from weights.items()
-    else:
-        yield from weights
-
-
-BUCKET_BYTES = 256 << 20  # weights move between trainer and engines in pieces of at most this
-
-
-def buckets(pieces: WeightPieces, bucket_bytes: int = BUCKET_BYTES) -> Iterator[list]:
-    """``pieces`` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
-    bucket, size = [], 0
-    for name, tensor in pieces:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def chunked(

@@ -19,8 +19,9 @@ the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx a
 request) is not retried: it raises at once with the server's message.
 
 Weights: ``load_weights(version, weights)`` has the sender of ``weight_sync``
-(``honing.rollout.weight_senders``) send them to every endpoint that is up; one that comes
-back holding other weights is sent the newest before it serves a request.
+(``honing.rollout.weight_senders``) send them, bucket by bucket, to every endpoint that is up;
+one that comes back holding other weights is sent the newest before it serves a request, or,
+when the sender cannot make them again, serves nothing until the next sync.
 
 Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
 the experts the server's routers chose, in vLLM's or SGLang's form
@@ -45,7 +46,7 @@ from honing.rollout.base import (
     Holding,
     RolloutEngine,
     SamplingParams,
-    WeightPieces,
+    WeightBuckets,
 )
 from honing.rollout.openai_checks import check_servers, check_weight_dir
 from honing.rollout.openai_http import (
@@ -287,12 +288,14 @@ class OpenAIEngine(RolloutEngine):
 
     # -- weights --------------------------------------------------------------------------
 
-    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
-        """Has every endpoint sample from ``weights`` from now on, sent by the sender of
-        ``weight_sync`` (``honing.rollout.weight_senders``).
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
+        """Has every endpoint sample from ``weights`` from now on, sent bucket by bucket by
+        the sender of ``weight_sync`` (``honing.rollout.weight_senders``).
 
-        An endpoint that is down is set aside and sent the newest weights when it is back,
-        before it serves a request; when no endpoint takes them, ``EngineUnavailable``."""
+        An endpoint that is down is set aside; when it is back it is sent the newest weights
+        before it serves a request, if the sender can send them again (``disk``, or
+        ``tensors`` given a ``WeightStream`` with ``again``), else it waits for the next
+        sync. When no endpoint takes them, ``EngineUnavailable``."""
         if weights is None:  # nothing to send: the version is all that moves
             for endpoint in self.endpoints:
                 endpoint.version = version

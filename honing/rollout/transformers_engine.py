@@ -27,8 +27,7 @@ from honing.rollout.base import (
     Holding,
     RolloutEngine,
     SamplingParams,
-    WeightPieces,
-    weight_items,
+    WeightBuckets,
 )
 from honing.rollout.fast_decode import FastDecoder, supports
 from honing.rollout.sampling import filter_logits, sample_categorical
@@ -147,17 +146,18 @@ class TransformersEngine(RolloutEngine):
         engine.weight_version = self.weight_version
         return engine
 
-    def load_weights(self, version: int, weights: WeightPieces | None = None) -> None:
-        """Copies each piece into the tensor of its name, as it comes (no second copy of the
-        model); a name the model does not have is an error. Pieces not sent keep their
-        values (a tied weight comes once, under either name)."""
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
+        """Copies each piece into the tensor of its name, bucket by bucket as they come (no
+        second copy of the model); a name the model does not have is an error. Pieces not
+        sent keep their values (a tied weight comes once, under either name)."""
         if weights is not None:
             own = self.model.state_dict()
             with torch.no_grad():
-                for name, tensor in weight_items(weights):
-                    if name not in own:
-                        raise ValueError(f"weights do not fit the engine's model: {name!r}")
-                    own[name].copy_(tensor)
+                for bucket in weights:
+                    for name, tensor in bucket:
+                        if name not in own:
+                            raise ValueError(f"weights do not fit the engine's model: {name!r}")
+                        own[name].copy_(tensor)
         self.weight_version = version
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:

@@ -1,34 +1,48 @@
 """How an ``OpenAIEngine`` gets new policy weights to its servers: one class per
 ``rollout.weight_sync``, behind one interface.
 
-``send(endpoints, version, weights)`` sends ``weights`` as ``version`` to each endpoint given
-(the engine leaves out those set aside) and returns the ones that failed, with their errors;
-each endpoint that took them records ``version``. ``catch_up(endpoint)`` brings a server
-that comes back holding other weights to the newest version sent, before it serves a request;
-False when the sender cannot (the server then waits for the next sync).
+``send(endpoints, version, weights)`` sends ``weights`` (buckets of (name, tensor) pieces,
+consumed once) as ``version`` to each endpoint given (the engine leaves out those set aside)
+and returns the ones that failed, with their errors; each endpoint that took them records
+``version``. ``catch_up(endpoint)`` brings a server that comes back holding other weights to
+the newest version sent, before it serves a request; False when the sender cannot (the
+server then waits for the next sync).
 
 - ``none``: sends nothing (the servers get their weights some other way); only the version
   moves.
-- ``tensors``: honing's server: the weights as a safetensors body to
-  ``POST /update_weights?version=V``.
-- ``disk``: writes the weights (with ``model_dir``'s config and tokenizer files) to
+- ``tensors``: honing's server: each bucket, as it comes, a safetensors body to
+  ``POST /update_weights/bucket`` on every endpoint still taking the update, then
+  ``POST /update_weights/commit`` on each (the server applies the update only then). One
+  bucket is held at a time (its host copy and its body); nothing of the model is kept, so a
+  server that comes back is sent the weights made again (``WeightStream.again``) when the
+  engine was given a way to, else it waits for the next sync.
+- ``disk``: writes the weights bucket by bucket as safetensors shards with their index
+  (``model.safetensors.index.json``, and ``model_dir``'s config and tokenizer files) to
   ``weight_dir/v<version>`` and posts ``{"model_path", "version"}`` to
-  ``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too).
+  ``/update_weights_from_disk`` (SGLang's endpoint; honing's server has it too); a server that
+  comes back loads the newest directory.
+
+Tied weights (an embedding shared with the output head) go once per update, under the first
+name; the server's own tie carries them to the other.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import uuid
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
-from honing.rollout.base import WeightPieces, weight_items
-from honing.rollout.openai_http import Endpoint, Retryable
+from honing.rollout.base import WeightBucket, WeightBuckets, WeightStream
+from honing.rollout.openai_http import Endpoint, EngineRequestError, Retryable
 
 # (endpoint, path, **httpx request arguments) -> the JSON answer; raises Retryable
 Post = Callable[..., dict]
 Failures = list[tuple[Endpoint, str]]
+INDEX = "model.safetensors.index.json"
 
 
 class WeightSender(ABC):
@@ -38,7 +52,7 @@ class WeightSender(ABC):
         self.post = post
 
     @abstractmethod
-    def send(self, endpoints: list[Endpoint], version: int, weights: WeightPieces) -> Failures:
+    def send(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets) -> Failures:
         """Sends ``weights`` as ``version`` to each of ``endpoints``; returns those that
         failed with a retryable error, with it."""
 
@@ -70,7 +84,7 @@ class NoSender(WeightSender):
         super().__init__(post)
         self.newest = 0
 
-    def send(self, endpoints: list[Endpoint], version: int, weights: WeightPieces) -> Failures:
+    def send(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets) -> Failures:
         self.newest = version
         return self._to_each(endpoints, version, lambda endpoint: None)
 
@@ -79,44 +93,87 @@ class NoSender(WeightSender):
         return True
 
 
-class _KeepsNewest(WeightSender):
-    """A sender that keeps what it sent last (``_latest``: version first) and sends it again
-    to a server that comes back (``_post_latest``)."""
-
-    _latest: tuple | None = None
-
-    def catch_up(self, endpoint: Endpoint) -> bool:
-        if self._latest is None:
-            return False
-        if endpoint.version != self._latest[0]:
-            self._post_latest(endpoint)
-            endpoint.version = self._latest[0]
-        return True
-
-    @abstractmethod
-    def _post_latest(self, endpoint: Endpoint) -> None: ...
-
-
-class TensorSender(_KeepsNewest):
-    """``tensors``: a safetensors body to ``/update_weights`` (honing's server); the newest
-    body is kept for a server that comes back."""
+class TensorSender(WeightSender):
+    """``tensors``: each bucket posted as it comes to honing's server, then a commit (see
+    the module)."""
 
     def __init__(self, post: Post) -> None:
         super().__init__(post)
-        self._latest: tuple[int, bytes] | None = None
+        self.newest: int | None = None
+        self._again: Callable[[], WeightBuckets] | None = None
 
-    def send(self, endpoints: list[Endpoint], version: int, weights: WeightPieces) -> Failures:
+    def send(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets) -> Failures:
+        self._again = None  # the last version's way: not these weights
+        failures = self._stream(endpoints, version, weights)
+        self.newest = version
+        self._again = weights.again if isinstance(weights, WeightStream) else None
+        return failures
+
+    def catch_up(self, endpoint: Endpoint) -> bool:
+        if endpoint.version == self.newest:
+            return True
+        if self._again is None:
+            return False
+        failures = self._stream([endpoint], self.newest, self._again())
+        if failures:
+            raise Retryable(failures[0][1])
+        return True
+
+    def _stream(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets):
+        upload, untied = _Upload(self.post, endpoints), _Untied()
+        for bucket in weights:  # every bucket is read, also when no server is left
+            upload.bucket(untied.tensors(bucket))
+            del bucket  # let go before the next is made
+        return upload.commit(version)
+
+
+class _Upload:
+    """One update streamed to several servers: each bucket to every server still taking it,
+    then the commit on each. A server that fails is left out of the rest; one that refuses
+    the update (4xx) stops it everywhere: nothing is committed and the refusal is raised
+    once every bucket was read (under a sharded layout the other ranks gather with them)."""
+
+    def __init__(self, post: Post, endpoints: list[Endpoint]) -> None:
+        self.post, self.live, self.failures = post, list(endpoints), []
+        self.update, self.parts = uuid.uuid4().hex, 0
+        self.refused: EngineRequestError | None = None
+
+    def bucket(self, tensors: dict) -> None:
         from safetensors.torch import save
 
-        self._latest = (version, save(unshared(weight_items(weights))))
-        return self._to_each(endpoints, version, self._post_latest)
+        if not tensors:
+            return
+        body = save(tensors)
+        del tensors  # the host copies go: the body alone is held while it is posted
+        path = f"/update_weights/bucket?update={self.update}&part={self.parts}"
+        for endpoint in list(self.live):
+            self._try(endpoint, path, content=body)
+        self.parts += 1
 
-    def _post_latest(self, endpoint: Endpoint) -> None:
-        version, body = self._latest
-        self.post(endpoint, f"/update_weights?version={version}", content=body)
+    def commit(self, version: int) -> Failures:
+        if self.refused is not None:
+            raise self.refused
+        path = f"/update_weights/commit?update={self.update}&parts={self.parts}&version={version}"
+        for endpoint in list(self.live):
+            if self._try(endpoint, path):
+                endpoint.version = version
+        if self.refused is not None:
+            raise self.refused
+        return self.failures
+
+    def _try(self, endpoint: Endpoint, path: str, **kwargs) -> bool:
+        try:
+            self.post(endpoint, path, **kwargs)
+            return True
+        except Retryable as err:
+            self.failures.append((endpoint, str(err)))
+        except EngineRequestError as err:
+            self.refused = self.refused or err
+        self.live.remove(endpoint)
+        return False
 
 
-class DiskSender(_KeepsNewest):
+class DiskSender(WeightSender):
     """``disk``: a model directory per version under ``weight_dir``, its path posted to
     ``/update_weights_from_disk``; the newest directory stays (a server that comes back loads
     it), older ones are removed once the live servers have the newest."""
@@ -126,8 +183,8 @@ class DiskSender(_KeepsNewest):
         self.weight_dir, self.model_dir = Path(weight_dir), model_dir
         self._latest: tuple[int, Path] | None = None
 
-    def send(self, endpoints: list[Endpoint], version: int, weights: WeightPieces) -> Failures:
-        self._latest = (version, self._write(version, unshared(weight_items(weights))))
+    def send(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets) -> Failures:
+        self._latest = (version, self._write(version, weights))
         failures = self._to_each(endpoints, version, self._post_latest)
         if len(failures) < len(endpoints):
             current = self._latest[1]
@@ -136,27 +193,83 @@ class DiskSender(_KeepsNewest):
                     shutil.rmtree(old, ignore_errors=True)
         return failures
 
+    def catch_up(self, endpoint: Endpoint) -> bool:
+        if self._latest is None:
+            return False
+        if endpoint.version != self._latest[0]:
+            self._post_latest(endpoint)
+            endpoint.version = self._latest[0]
+        return True
+
     def _post_latest(self, endpoint: Endpoint) -> None:
         version, path = self._latest
         body = {"model_path": str(path), "version": version}
         self.post(endpoint, "/update_weights_from_disk", json=body)
 
-    def _write(self, version: int, tensors: dict) -> Path:
-        """``weight_dir/v<version>``: the weights and the model's other files, complete
-        before it takes its name."""
-        from safetensors.torch import save_file
-
+    def _write(self, version: int, weights: WeightBuckets) -> Path:
+        """``weight_dir/v<version>``: a shard per bucket, their index and the model's other
+        files, complete before it takes its name."""
         final, partial = self.weight_dir / f"v{version}", self.weight_dir / f".v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         if self.model_dir:
             for item in Path(self.model_dir).iterdir():
-                if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
+                weights_file = item.name.endswith((".safetensors", ".bin", ".pt", ".index.json"))
+                if item.is_file() and not weights_file:
                     shutil.copy2(item, partial / item.name)
-        save_file(tensors, partial / "model.safetensors")
+        index, untied = _Index(partial), _Untied()
+        for bucket in weights:
+            index.shard(untied.tensors(bucket))
+            del bucket  # let go before the next is made
+        index.write()
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
+
+
+class _Index:
+    """Safetensors shards written one at a time into ``directory``, and their index (the
+    Hugging Face layout: ``weight_map`` from each name to its shard)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.weight_map, self.total = directory, {}, 0
+
+    def shard(self, tensors: dict) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        name = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
+        save_file(tensors, self.directory / name)
+        for key, tensor in tensors.items():
+            self.weight_map[key] = name
+            self.total += tensor.numel() * tensor.element_size()
+
+    def write(self) -> None:
+        index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+        (self.directory / INDEX).write_text(json.dumps(index, indent=1))
+
+
+class _Untied:
+    """A bucket's tensors on the CPU, contiguous, each storage once per update: a tensor
+    that shares the storage of one already taken (a tied weight) is left out. A storage is
+    known by a weak reference to the tensor that had it: the memory of a tensor made for the
+    stream and freed since may hold a later one, which is no tie."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, weakref.ref] = {}
+
+    def tensors(self, bucket: WeightBucket) -> dict:
+        taken = {}
+        for name, tensor in bucket:
+            storage = tensor.untyped_storage().data_ptr()
+            key = (tensor.device, storage, tensor.storage_offset(), tensor.shape, tensor.dtype)
+            earlier = self.seen.get(key)
+            if earlier is not None and earlier() is not None:
+                continue
+            self.seen[key] = weakref.ref(tensor)
+            taken[name] = tensor.detach().contiguous().cpu()
+        return taken
 
 
 def make_sender(weight_sync: str, post: Post, weight_dir: str = "", model_dir: str = ""):
@@ -166,16 +279,3 @@ def make_sender(weight_sync: str, post: Post, weight_dir: str = "", model_dir: s
     if weight_sync == "none":
         return NoSender(post)
     return TensorSender(post)
-
-
-def unshared(pieces) -> dict:
-    """The tensors on the CPU, one name per storage: tied weights (an embedding shared with the
-    output head) are sent once; the server's own tie carries them to the other name."""
-    tensors, seen = {}, set()
-    for name, tensor in pieces:
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors

@@ -13,6 +13,12 @@ Endpoints:
 - ``POST /update_weights_from_disk`` ``{"model_path": DIR, "version": V}``: loads the
   safetensors weights of a checkpoint or model directory (SGLang's endpoint name and body).
 - ``POST /update_weights?version=V``: a safetensors file as the body (weights sent over HTTP).
+- ``POST /update_weights/bucket?update=ID&part=K``: bucket ``K`` (0, 1, ...) of update ``ID``
+  (the client's name for it, letters, digits, ``-`` and ``_``), a safetensors body, checked and
+  staged; ``POST /update_weights/commit?update=ID&parts=N&version=V`` applies the ``N``
+  buckets staged as version ``V``, all at once. Nothing of an update is served before its
+  commit: a refused bucket drops it, and one left unfinished (its client gone) is replaced by
+  the next update's first bucket.
 - ``POST /tokenize`` ``{"prompt": TEXT, "add_special_tokens": bool}``: ``{"tokens", "count",
   "max_model_len"}``, as vLLM and SGLang answer it (clients check that their tokenizer is the
   server's).
@@ -30,7 +36,7 @@ leave room for a response under ``--max-seq-len`` (default 4096); token ids must
 model's vocabulary; numbers must be finite and in range (``honing.services.completion_request``).
 A JSON body is at most 64 MiB. Anything past these is a 400 (413 for a body) naming the field.
 A weight update is checked tensor by tensor against the served model and applied all at once
-or not at all (``honing.services.rollout_weights``).
+or not at all, in one request or bucket by bucket (``honing.services.rollout_weights``).
 
 With ``--token``, every endpoint needs ``Authorization: Bearer TOKEN`` (401 without it) except
 ``GET /health``, which answers a bare ``{"status": "ok"}`` without it (for load balancers and
@@ -47,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -65,12 +72,14 @@ from honing.services.completion_request import (
 )
 from honing.services.options import NON_NEGATIVE, CompletionLimits
 from honing.services.rollout_weights import (
+    Staged,
     check_weights,
     from_body,
     from_directory,
 )
 
 MAX_JSON_BYTES = 64 << 20
+_UPDATE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def openai_error(code: int, message: str) -> dict[str, Any]:
@@ -115,6 +124,7 @@ class _Served:
     def __init__(self, engine, model_name: str, limits: CompletionLimits) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
         self.turn = threading.Lock()
+        self.staged = Staged()  # an update arriving bucket by bucket
         self.counters = {"requests": 0, "completions": 0}
         # Speculative decoding, under vLLM's counter names so that one client reads both.
         self.speculation = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
@@ -157,7 +167,17 @@ class _Served:
         weights = read(source)
         check_weights(weights, self.engine.model.state_dict())
         with self.turn:
-            self.engine.load_weights(version, weights)
+            self.engine.load_weights(version, [list(weights.items())])
+
+    def stage(self, update: str, part: int, data: bytes) -> int:
+        """Bucket ``part`` of ``update`` checked and staged; the buckets staged so far."""
+        return self.staged.add(update, part, data, self.engine.model.state_dict())
+
+    def commit(self, update: str, parts: int, version: int) -> None:
+        """The ``parts`` buckets staged for ``update``, applied as ``version``."""
+        weights = self.staged.take(update, parts)
+        with self.turn:
+            self.engine.load_weights(version, [list(weights.items())])
 
     def next_version(self, value) -> int:
         """A weight update's ``version`` (default: the served one plus one)."""
@@ -191,6 +211,21 @@ class _Served:
             name = f"vllm:spec_decode_num_{key}_total"
             lines += [f"# TYPE {name} counter", f'{name}{{model_name="{self.model_name}"}} {value}']
         return "\n".join(lines) + "\n"
+
+
+def _update_query(request: Request, count: str) -> tuple[str, int]:
+    """A bucketed update's ``update`` id and its ``count`` field (``part`` or ``parts``).
+
+    Raises:
+        Refused: either is missing or malformed.
+    """
+    update = request.query_params.get("update", "")
+    if not _UPDATE_ID.fullmatch(update):
+        raise Refused("update: expected 1..64 letters, digits, '-' or '_'")
+    value = request.query_params.get(count)
+    if value is None:
+        raise Refused(f"{count}: missing")
+    return update, field({count: value}, count, 0, NON_NEGATIVE, integer=True)
 
 
 def _choice(index: int, rollout) -> dict[str, Any]:
@@ -255,6 +290,20 @@ def rollout_app(
         version = served.next_version(request.query_params.get("version"))
         data = await read_body(request, max_body_bytes)
         await run(served.load, from_body, data, version)
+        return JSONResponse({"success": True, "weight_version": version})
+
+    @app.post("/update_weights/bucket")
+    async def stage_bucket(request: Request) -> JSONResponse:
+        update, part = _update_query(request, "part")
+        data = await read_body(request, max_body_bytes)
+        staged = await run(served.stage, update, part, data)
+        return JSONResponse({"success": True, "staged": staged})
+
+    @app.post("/update_weights/commit")
+    async def commit(request: Request) -> JSONResponse:
+        update, parts = _update_query(request, "parts")
+        version = served.next_version(request.query_params.get("version"))
+        await run(served.commit, update, parts, version)
         return JSONResponse({"success": True, "weight_version": version})
 
     @app.post("/tokenize")

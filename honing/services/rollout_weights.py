@@ -1,17 +1,23 @@
-"""Weight updates of ``honing serve rollout``: safetensors read from a directory or a request
-body, every tensor checked against the served model, then applied all at once.
+"""Weight updates of ``honing serve rollout``: safetensors read from a directory, a request
+body, or the bodies of several requests (``Staged``), every tensor checked against the
+served model, then applied all at once.
 
 A tensor must name a weight of the served model, have its shape, be of its kind (any
 floating-point dtype for a floating-point weight, cast to the served dtype; the same dtype
 otherwise) and be finite in the served dtype. One that is not refuses the whole update (400,
 naming the tensor and what was expected) before any weight is touched (the engine's
-``load_weights`` then copies them), so that a server never
-samples from a mix of two versions, nor from weights that ``copy_`` broadcast into the wrong
-shape. Weights not sent keep their values (a tied weight comes once, under either name).
+``load_weights`` then copies them), so that a server never samples from a mix of two
+versions, nor from weights that ``copy_`` broadcast into the wrong shape. Weights not sent
+keep their values (a tied weight comes once, under either name).
+
+An update sent bucket by bucket is staged apart from the served weights and applied only by
+its commit, once every bucket came: a refused bucket drops the whole update, and one whose
+client went away mid-way is never applied (the next update's first bucket replaces it).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -81,3 +87,66 @@ def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
             if cast is tensor or not bool(torch.isfinite(tensor).all()):
                 raise Refused(f"weights: {name} has non-finite values (NaN or infinity)")
             raise Refused(f"weights: {name} has values beyond {target.dtype}'s range")
+
+
+class Staged:
+    """The update that arrives in several requests: its id (the client's), the buckets
+    taken so far and their tensors, cast to the served dtypes. One at a time: the first
+    bucket of another update replaces it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.update, self.parts = "", 0
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, update: str, part: int, data: bytes, own: dict[str, torch.Tensor]) -> int:
+        """Stages bucket ``part`` (a safetensors body) of ``update``; returns the buckets
+        staged so far.
+
+        Raises:
+            Refused: not the update in progress or not its next part, a body that is not
+                safetensors, a tensor that does not fit ``own`` or came before in this
+                update; the update is dropped (its commit is refused).
+        """
+        with self.lock:
+            if part == 0:
+                self.update, self.parts, self.tensors = update, 0, {}
+            elif update != self.update:
+                raise Refused(f"update: {update} is not in progress (its first part is 0)")
+            try:
+                if part != self.parts:
+                    raise Refused(f"part: expected {self.parts}, got {part}")
+                weights = from_body(data)
+                check_weights(weights, own)
+                again = sorted(set(weights) & set(self.tensors))
+                if again:
+                    raise Refused(f"weights: {again[0]} came twice in update {update}")
+            except Refused:
+                self._drop()
+                raise
+            for name, tensor in weights.items():
+                self.tensors[name] = tensor.to(own[name].dtype)
+            self.parts += 1
+            return self.parts
+
+    def take(self, update: str, parts: int) -> dict[str, torch.Tensor]:
+        """The tensors of ``update``, once all its ``parts`` buckets are staged; nothing is
+        staged afterwards.
+
+        Raises:
+            Refused: ``update`` is not staged (dropped, replaced or never begun), or has
+                another number of buckets.
+        """
+        with self.lock:
+            if update != self.update or not self.update:
+                raise Refused(f"update: {update} is not staged (dropped or never begun)")
+            if parts != self.parts:
+                staged = self.parts
+                self._drop()
+                raise Refused(f"parts: {parts} sent, {staged} staged; the update is dropped")
+            tensors = self.tensors
+            self._drop()
+            return tensors
+
+    def _drop(self) -> None:
+        self.update, self.parts, self.tensors = "", 0, {}

@@ -38,13 +38,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from honing.rollout.base import BUCKET_BYTES, buckets
+from honing.rollout.base import WeightBucket
 from honing.trainer.layouts import Layout, OneProcess, Replicated
 from honing.trainer.sharded import Sharded, local_bytes
 
 # What a module is read as, for ``weights`` / ``whole_tensors``: its state, or other pieces
 # made from it (a LoRA policy's adapters merged into plain weights).
 Pieces = Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]]
+BUCKET_BYTES = 256 << 20  # rollout.weight_bucket_mb's default
 
 
 class TrainerEngine(Protocol):
@@ -263,9 +264,9 @@ class TrainedModule:
         source = pieces(self.module) if pieces else self.module.state_dict().items()
         return self.layout.gathered(source)
 
-    def weights(self, pieces: Pieces | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def weights(self, pieces: Pieces | None = None) -> Iterator[WeightBucket]:
         """``whole_tensors`` in buckets of at most ``bucket_bytes``, for the rollout engines
-        (they copy the live tensors they get)."""
+        (they copy the live tensors they get), each made when it is asked for."""
         return buckets(self.whole_tensors(pieces), self.bucket_bytes)
 
     def load_tensors(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -391,6 +392,23 @@ class TrainedModule:
             if torch.is_tensor(value) and value.dim() > 0
         ]
         return local_bytes(params) + local_bytes(grads) + local_bytes(moments)
+
+
+def buckets(
+    pieces: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[WeightBucket]:
+    """``pieces`` grouped into lists of at most ``bucket_bytes`` (a larger tensor alone), each
+    list handed over before the pieces of the next are read."""
+    bucket, size = [], 0
+    for name, tensor in pieces:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _tensors(tree) -> Iterator[torch.Tensor]:

@@ -31,7 +31,7 @@ from honing.pipeline.components import (
 )
 from honing.pipeline.inputs import build_scorer, tokenize_prompts
 from honing.pipeline.rules import advantage_settings
-from honing.rollout.base import Holding, RolloutEngine, weight_items
+from honing.rollout.base import Holding, RolloutEngine
 from honing.trainer.layouts import OneProcess
 from honing.types import Rollout
 
@@ -129,8 +129,9 @@ class BigramEngine(RolloutEngine):
         if weights is not None:
             own = self.model.state_dict()
             with torch.no_grad():
-                for name, tensor in weight_items(weights):
-                    own[name].copy_(tensor)
+                for bucket in weights:
+                    for name, tensor in bucket:
+                        own[name].copy_(tensor)
         self.weight_version = version
 
     def detached_copy(self) -> BigramEngine:

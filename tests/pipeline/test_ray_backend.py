@@ -52,7 +52,7 @@ def _pool(config, model_dir, workers, rid):
     report = ray_pools.Report()
     engine = ray_workers.RayRolloutEngine(config, model_dir, control, rid, report)
     policy = load_causal_lm(model_dir, load_tokenizer(model_dir), dtype="float32", device="cpu")
-    engine.load_weights(0, policy.state_dict())
+    engine.load_weights(0, [list(policy.state_dict().items())])
     return engine, control, report, policy
 
 

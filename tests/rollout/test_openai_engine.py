@@ -97,13 +97,13 @@ def test_weights_sent_as_tensors_and_from_disk_change_what_is_sampled(
             weight_dir=str(tmp_path / "weights"),
             model_dir=model.name_or_path,
         )
-        engine.load_weights(7, changed)
+        engine.load_weights(7, [list(changed.items())])
         rollouts = engine.generate(requests_for(tokenizer), greedy)
         for r, tokens in zip(rollouts, want, strict=True):
             stop = next((i + 1 for i, t in enumerate(tokens) if t in engine.stop_ids), 4)
             assert r.response_ids == tokens[:stop], sync
             assert r.weight_version == 7
-        engine.load_weights(0, model.state_dict())  # back, for the other tests
+        engine.load_weights(0, [list(model.state_dict().items())])  # back, for the others
         engine.close()
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v0"]  # others removed
 
@@ -291,7 +291,7 @@ def test_a_lora_run_sends_the_servers_its_policy_merged(
             (got - teacher_forced_logprobs(model, r.prompt_ids, r.response_ids)).abs().max().item(),
         )
     assert moved > 1e-3  # the adapters trained: not the base model's logprobs
-    engine.load_weights(0, model.state_dict())  # back, for the other tests
+    engine.load_weights(0, [list(model.state_dict().items())])  # back, for the others
     engine.close()
 
 

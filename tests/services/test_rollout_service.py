@@ -3,6 +3,7 @@ generates: these requests are answered before any generation), the bounds and ra
 completion request, and weight updates that do not fit the served model (over the micro model
 served in process)."""
 
+import socket
 from types import SimpleNamespace
 
 import httpx
@@ -102,14 +103,22 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(serve, engine):
     assert all(torch.equal(own[name], before[name]) for name in own)
 
 
+def _greedy(url: str) -> list[dict]:
+    prompt = {"prompt": [[5, 6, 7]], "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=prompt, timeout=30).json()["choices"]
+
+
+def _served(url: str, engine) -> tuple[dict, dict, list[dict]]:
+    """The served model's state, a copy of it, and its greedy answer before any update."""
+    own = engine.model.state_dict()
+    return own, {name: tensor.clone() for name, tensor in own.items()}, _greedy(url)
+
+
 def test_a_weight_update_is_applied_all_or_nothing(serve, engine, tmp_path):
     """Every weight moved but one of the wrong size: nothing is applied, by either endpoint,
     and the server keeps its version and its samples."""
     url = serve(rollout_app(engine, model_name="m"))
-    own = engine.model.state_dict()
-    before = {name: tensor.clone() for name, tensor in own.items()}
-    prompt = {"prompt": [[5, 6, 7]], "max_tokens": 4, "temperature": 0}
-    sampled = httpx.post(f"{url}/v1/completions", json=prompt, timeout=30).json()["choices"]
+    own, before, sampled = _served(url, engine)
     moved = {name: tensor + 0.5 for name, tensor in own.items()}
     moved["model.norm.weight"] = torch.ones(33)  # [32] in the model
     (tmp_path / "bad").mkdir()
@@ -125,12 +134,78 @@ def test_a_weight_update_is_applied_all_or_nothing(serve, engine, tmp_path):
         )
     assert all(torch.equal(own[name], before[name]) for name in own)
     assert httpx.get(f"{url}/health").json()["weight_version"] == 0
-    again = httpx.post(f"{url}/v1/completions", json=prompt, timeout=30).json()["choices"]
-    assert again == sampled
+    assert _greedy(url) == sampled
     del moved["model.norm.weight"]
     assert _send(url, moved).json() == {"success": True, "weight_version": 5}
     up = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(own[up], moved[up]) and not torch.equal(own[up], before[up])
+
+
+def _bucket(url: str, update: str, part: int, tensors: dict) -> httpx.Response:
+    path = f"/update_weights/bucket?update={update}&part={part}"
+    return httpx.post(url + path, content=save(tensors), timeout=30)
+
+
+def _commit(url: str, update: str, parts: int) -> httpx.Response:
+    path = f"/update_weights/commit?update={update}&parts={parts}&version=5"
+    return httpx.post(url + path, timeout=30)
+
+
+def _cut_off(url: str, update: str, tensors: dict) -> None:
+    """Bucket 0 of ``update`` whose connection is lost half-way through its body."""
+    body = save(tensors)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(
+            f"POST /update_weights/bucket?update={update}&part=0 HTTP/1.1\r\n"
+            f"Host: {host}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body[: len(body) // 2]
+        )
+
+
+def test_an_update_in_buckets_is_applied_by_its_commit_or_not_at_all(serve, engine):
+    """Buckets are staged apart from the served weights: a refused bucket drops its update
+    (the commit is refused), an update whose client went away mid-way (a bucket cut off, or
+    no commit) is never applied, and nothing changes the version or the samples until an
+    update whose every bucket came is committed."""
+    url = serve(rollout_app(engine, model_name="m"))
+    own, before, sampled = _served(url, engine)
+    moved = {name: tensor + 0.5 for name, tensor in own.items()}
+    names = sorted(moved)
+    first = {name: moved[name] for name in names[: len(names) // 2]}
+    second = {name: moved[name] for name in names[len(names) // 2 :]}
+    norm = "model.norm.weight"
+    assert _bucket(url, "a", 0, first).json() == {"success": True, "staged": 1}
+    refused = _bucket(
+        url, "a", 1, {k: v for k, v in second.items() if k != norm} | {norm: torch.ones(33)}
+    )
+    assert refused.status_code == 400
+    assert _message(refused) == f"weights: {norm} has shape (33,); the served model's is (32,)"
+    assert _message(_commit(url, "a", 2)) == "update: a is not staged (dropped or never begun)"
+    for answer, problem in (
+        (_bucket(url, "b", 0, first), None),
+        (_bucket(url, "b", 2, second), "part: expected 1, got 2"),  # and b is dropped
+        (_bucket(url, "b", 1, second), "update: b is not in progress (its first part is 0)"),
+        (_bucket(url, "c", 0, first), None),
+        (_bucket(url, "c", 1, first), f"weights: {names[0]} came twice in update c"),
+        (_bucket(url, "d", 0, first), None),
+        (_commit(url, "d", 2), "parts: 2 sent, 1 staged; the update is dropped"),
+        (httpx.post(f"{url}/update_weights/bucket?part=0", content=b""), "update: expected"),
+        (httpx.post(f"{url}/update_weights/commit?update=e", content=b""), "parts: missing"),
+        (_bucket(url, "f", 0, first), None),  # its client goes: never committed
+    ):
+        if problem is None:
+            assert answer.status_code == 200, answer.text
+        else:
+            assert answer.status_code == 400 and _message(answer).startswith(problem)
+    _cut_off(url, "g", second)
+    assert all(torch.equal(own[name], before[name]) for name in own)
+    assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+    assert _greedy(url) == sampled
+    assert _bucket(url, "h", 0, first).status_code == 200
+    assert _bucket(url, "h", 1, second).json() == {"success": True, "staged": 2}
+    assert _commit(url, "h", 2).json() == {"success": True, "weight_version": 5}
+    assert all(torch.equal(own[name], moved[name]) for name in own)
 
 
 def _complete(url: str, **fields) -> httpx.Response:
