@@ -43,16 +43,20 @@ def truncated_importance_weights(
 def mismatch_metrics(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> dict:
     """Size of the engine/trainer gap over response tokens (detached scalar tensors).
 
-    ``prob_diff_*``: |pi_old - mu| per token; ``kl``: the k3 estimate of KL(mu || pi_old)
-    from tokens sampled under mu (http://joschu.net/blog/kl-approx.html).
+    ``prob_diff_*``: |pi_old - mu| per token; ``logprob_diff_max``: the largest
+    |log pi_old - log mu| (nats; a weight the engine did not get shows here first); ``kl``:
+    the k3 estimate of KL(mu || pi_old) from tokens sampled under mu
+    (http://joschu.net/blog/kl-approx.html).
     """
     old, behaviour = old_logprobs.detach(), behaviour_logprobs.detach()
     diff = (old.exp() - behaviour.exp()).abs()  # [B, T]
     log_ratio = (old - behaviour).clamp(-20.0, 20.0)
     k3 = torch.exp(log_ratio) - log_ratio - 1.0
     masked_max = torch.where(mask > 0, diff, torch.zeros_like(diff)).max()
+    logprob_gap = torch.where(mask > 0, (old - behaviour).abs(), torch.zeros_like(diff)).max()
     return {
         "rollout_mismatch/prob_diff_mean": masked_mean(diff, mask),
         "rollout_mismatch/prob_diff_max": masked_max,
+        "rollout_mismatch/logprob_diff_max": logprob_gap,
         "rollout_mismatch/kl": masked_mean(k3, mask),
     }

@@ -114,6 +114,7 @@ KNOWN = frozenset(
         ),
         "rollout_mismatch/prob_diff_mean",
         "rollout_mismatch/prob_diff_max",
+        "rollout_mismatch/logprob_diff_max",
         "rollout_mismatch/kl",
         "mtp/loss",
         "mtp/accuracy",

@@ -205,7 +205,12 @@ def build_components(config: Config, log=print, group=None) -> Components:
     if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
-    engine = local if rollout.engine == "transformers" else remote_engine(config, local, model_path)
+    if rollout.engine == "vllm":
+        engine = vllm_engine(config, local, model_path, device)
+    elif rollout.engine == "openai":
+        engine = remote_engine(config, local, model_path)
+    else:
+        engine = local
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     trainers = Trainers(
         policy=trainer,
@@ -391,6 +396,34 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
         rollout.spec_min_accept,
         rollout.spec_probe_every,
         draft,
+    )
+
+
+def vllm_engine(config: Config, local: TransformersEngine, model_dir: Path, device):
+    """``rollout.engine=vllm``: vLLM in this process, loaded from ``model_dir`` (the policy's
+    starting weights) with the rollout settings; the policy's own stop tokens."""
+    from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings, model_problem
+
+    rollout, policy = config.rollout, local.model
+    problem = model_problem(policy.config, device.type)
+    if problem is not None:
+        raise ConfigError(f"rollout.engine=vllm: {problem}; use rollout.engine=transformers")
+    settings = VLLMSettings(
+        kv_cache_mb=rollout.vllm_kv_cache_mb,
+        enforce_eager=rollout.vllm_enforce_eager,
+        gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+        sleep=rollout.vllm_sleep,
+        max_num_seqs=rollout.generation_batch,
+        dtype=config.model.dtype,
+        seed=config.trainer.seed,
+    )
+    return VLLMEngine(
+        model_dir,
+        local.tokenizer,
+        stop_ids=local.stop_ids,
+        max_seq_len=rollout.max_seq_len,
+        settings=settings,
+        device_type=device.type,
     )
 
 

@@ -23,6 +23,7 @@ from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
+from honing.rollout.base import Holding
 from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
 from honing.trainer.engine import TrainerEngine
 from honing.trainer.policy_update import autocast
@@ -50,9 +51,15 @@ def tis_level(config: Config) -> str:
 
 
 def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bool:
+    """Whether the trainer computes the policy's logprobs before the update: for TIS, a KL
+    reward penalty, several optimizer steps per batch, and whenever the engine samples with
+    weights of its own (another process, vLLM, a copy): the gap between its logprobs and the
+    trainer's is then logged every step (``rollout_mismatch/*``), so a broken weight sync
+    shows in every run's metrics."""
     algo = config.algorithm
     return (
-        tis_level(config) != "none"
+        parts.engine.holds is not Holding.SHARED
+        or tis_level(config) != "none"
         or (algo.kl_in_reward and algo.kl_coef > 0)
         or parts.update_settings.optimizer_steps_per_batch(batch_size) > 1
     )

@@ -30,6 +30,7 @@ def check_config(config: Config, world_size: int = 1) -> None:
         check(config)
     _backend(config, world_size)
     _ranks(config, world_size)
+    _vllm(config, world_size)
 
 
 def _algorithm(config: Config) -> None:
@@ -134,8 +135,9 @@ def _rollout(config: Config) -> None:
         return
     if rollout.engine != "transformers":
         raise ConfigError(
-            "rollout.speculative applies to honing's own engine; for vLLM or SGLang servers "
-            "start them with their speculative options and set rollout.speculative=server"
+            "rollout.speculative applies to honing's own engine (rollout.engine=transformers); "
+            "for vLLM or SGLang servers start them with their speculative options and set "
+            "rollout.speculative=server"
         )
     if not rollout.fast_decode:
         raise ConfigError("rollout.speculative needs rollout.fast_decode=true")
@@ -281,5 +283,33 @@ def _backend(config: Config, world_size: int) -> None:
     if config.rollout.engine != "transformers":
         raise ConfigError(
             "pipeline.backend=ray runs honing's own engine in its rollout workers; "
-            f"rollout.engine={config.rollout.engine} is for remote servers (use backend=local)"
+            f"rollout.engine={config.rollout.engine} runs vLLM or servers (use backend=local)"
+        )
+
+
+def _vllm(config: Config, world_size: int) -> None:
+    """``rollout.engine=vllm``: vLLM is installed, one process holds it, and the settings
+    honing's own engine alone has are off."""
+    rollout = config.rollout
+    if rollout.engine != "vllm":
+        return
+    from honing.rollout.vllm_engine import vllm_available
+
+    if (hint := vllm_available()) is not None:
+        raise ConfigError(hint)
+    if world_size > 1:
+        raise ConfigError(
+            "rollout.engine=vllm holds vLLM in one process; under torchrun use vLLM servers "
+            "(rollout.engine=openai, rollout.weight_sync=vllm)"
+        )
+    if rollout.gen_timeout_s:
+        raise ConfigError(
+            "rollout.gen_timeout_s cuts honing's own engine's generation; vLLM's has no such "
+            "cut: set it to 0, or bound responses with rollout.max_new_tokens"
+        )
+    if config.algorithm.routing_replay == "R3":
+        raise ConfigError(
+            "algorithm.routing_replay=R3 needs the experts the engine routed to; vLLM in "
+            "process does not return them on a CPU: use R2 (the trainer's own first pass) "
+            "or rollout.engine=transformers"
         )

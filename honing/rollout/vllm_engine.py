@@ -62,6 +62,24 @@ def vllm_available() -> str | None:
     return None
 
 
+def model_problem(model_config, device_type: str) -> str | None:
+    """Why vLLM cannot run this model here, or None: on a CPU its attention kernels take
+    only some head sizes (32, 64, 80, ... 512; not 16)."""
+    if device_type != "cpu":
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        return (
+            f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this "
+            f"model's is {head_dim}"
+        )
+    return None
+
+
 def _begin_reload(worker) -> None:
     """In vLLM's worker: the model's layers wait for their new tensors (layerwise reload)."""
     from vllm.config import set_current_vllm_config

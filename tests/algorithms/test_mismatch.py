@@ -40,6 +40,8 @@ def test_mismatch_metrics_by_hand():
     # |diffs| on valid tokens: 0.25, 0.2, 0.0 (the padded 0.2 is ignored)
     assert m["rollout_mismatch/prob_diff_mean"].item() == pytest.approx(0.45 / 3)
     assert m["rollout_mismatch/prob_diff_max"].item() == pytest.approx(0.25)
+    # |log ratios|: log 2, log 2, 0 (the padded log 3 is ignored)
+    assert m["rollout_mismatch/logprob_diff_max"].item() == pytest.approx(math.log(2))
     # k3 = r - log r - 1 with r = old/behaviour: r = 2, 0.5, 1
     k3 = [2 - math.log(2) - 1, 0.5 - math.log(0.5) - 1, 0.0]
     assert m["rollout_mismatch/kl"].item() == pytest.approx(sum(k3) / 3, rel=1e-5)

@@ -15,9 +15,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from honing.data import warmstart_corpus  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer, save_model  # noqa: E402
-from honing.models.tiny import TinySpec, build_tiny_model  # noqa: E402
 from honing.rollout.base import GenerationRequest, Holding, SamplingParams  # noqa: E402
 from honing.rollout.sampling import filter_logits  # noqa: E402
 from honing.rollout.transformers_engine import TransformersEngine, stop_token_ids  # noqa: E402
@@ -29,10 +27,6 @@ from tests.models.moe_models import moe_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-3  # nats; see the module's docstring
-# vLLM's CPU attention takes head sizes of 32 and up: a hidden size of 64 over 2 heads
-VLLM_SPEC = TinySpec(
-    hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, warmstart_steps=30
-)
 
 
 def _qwen2(tokenizer):
@@ -55,12 +49,11 @@ def _qwen2(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
+def model_dirs(tmp_path_factory, vllm_model_dir):
     """A warm-started tied-embedding Llama (the built-in model's family), an untied Qwen2 and
     a Qwen3-MoE, all with the built-in tokenizer."""
     root = tmp_path_factory.mktemp("vllm-models")
-    corpus = warmstart_corpus(1000, 0, 2, 0.6)
-    llama = build_tiny_model(root / "llama", corpus, VLLM_SPEC, log=lambda message: None)
+    llama = vllm_model_dir
     tokenizer = load_tokenizer(llama)
     moe = moe_model(
         "qwen3_moe", len(tokenizer), tokenizer.pad_token_id, hidden_size=64, head_dim=32
