@@ -309,7 +309,9 @@ def _vllm(config: Config, world_size: int) -> None:
         )
     if config.algorithm.routing_replay == "R3":
         raise ConfigError(
-            "algorithm.routing_replay=R3 needs the experts the engine routed to; vLLM in "
-            "process does not return them on a CPU: use R2 (the trainer's own first pass) "
-            "or rollout.engine=transformers"
+            "algorithm.routing_replay=R3 needs the experts the engine routed to; vLLM "
+            "returns them only from its V2 model runner, which needs Triton (a GPU), and "
+            "honing does not ask it for them: use R2 (the trainer's own first pass), "
+            "rollout.engine=transformers, or vLLM servers started with "
+            "--enable-return-routed-experts"
         )
