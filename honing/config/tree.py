@@ -82,9 +82,11 @@ class RolloutConfig:
     max_concurrency: int = _opt(16, ge=1)  # openai: requests in flight at once
     # openai: how new weights reach the servers: tensors (POST /update_weights, honing's
     # server), disk (write weight_dir/vN, POST /update_weights_from_disk: SGLang, honing's),
-    # none (the servers keep their weights: evaluation or an external sync)
-    weight_sync: str = _opt("tensors", choices=("tensors", "disk", "none"))
-    weight_dir: str = _opt("")  # disk: a directory the servers can read
+    # vllm (vLLM's RL API: shared-memory files or NCCL, per the server's weight-transfer
+    # backend), none (the servers keep their weights: evaluation or an external sync)
+    weight_sync: str = _opt("tensors", choices=("tensors", "disk", "vllm", "none"))
+    # disk: a directory the servers can read; vllm: where bucket files go (default /dev/shm)
+    weight_dir: str = _opt("")
     batch_size: int = _opt(16, ge=1)  # prompts per step
     group_size: int = _opt(8, ge=1)  # samples per prompt
     max_new_tokens: int = _opt(8, ge=1)

@@ -60,6 +60,7 @@ from honing.rollout.routed_experts import (
     routed_experts,
     routes_first_choice_only,
 )
+from honing.rollout.vllm_server import VLLMWeightSender
 from honing.rollout.weight_senders import make_sender
 from honing.seeds import request_seed
 from honing.types import Rollout
@@ -111,7 +112,11 @@ class OpenAIEngine(RolloutEngine):
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
         self.weight_sync = weight_sync
-        self.sender = make_sender(weight_sync, self._post, weight_dir, model_dir)
+        self.sender = (  # vLLM's sender builds on weight_senders: it cannot be made there
+            VLLMWeightSender(self._post, self._get, weight_dir)
+            if weight_sync == "vllm"
+            else make_sender(weight_sync, self._post, weight_dir, model_dir)
+        )
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one weight upload at a time
@@ -124,6 +129,7 @@ class OpenAIEngine(RolloutEngine):
             model=model,
             model_dir=model_dir,
             token=token,
+            weight_sync=weight_sync,
         )
         self.spec_metrics = spec_metrics  # read the servers' speculative-decoding counters
         self._spec_seen: dict[str, dict[str, float]] = {}  # endpoint -> counters last read
@@ -357,8 +363,8 @@ class OpenAIEngine(RolloutEngine):
         except (Retryable, EngineRequestError) as err:
             self._set_aside(endpoint, str(err))
             return False
-        if "weight_version" in answer:  # honing's server says which weights it holds
-            endpoint.version = int(answer["weight_version"])
+        # honing's server says which weights it holds; another may have restarted with its own
+        endpoint.version = int(answer["weight_version"]) if "weight_version" in answer else -1
         endpoint.failures = 0
         return True
 

@@ -54,4 +54,4 @@ def request(client: httpx.Client, method: str, endpoint: Endpoint, path: str, **
             f"{endpoint.url}{path} refused the request (HTTP {response.status_code}): "
             f"{response.text[:300]}"
         )
-    return response.json()
+    return response.json() if response.content else {}  # vLLM's /health answers no body

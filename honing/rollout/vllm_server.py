@@ -1,0 +1,209 @@
+"""``rollout.weight_sync=vllm``: new weights to vLLM servers through vLLM's RL API.
+
+Each sync, on every server: ``POST /pause?mode=wait`` (requests in flight finish on the
+weights they started with), ``/start_weight_update``, one ``/update_weights`` per bucket,
+``/finish_weight_update`` with the version (``GET /weight_info`` then says it), ``/resume``.
+How a bucket travels is the server's weight-transfer backend (its ``--weight-transfer-config``,
+read from ``GET /server_info``):
+
+- ``honing`` (any device, CPUs included): the bucket as a safetensors file in ``bucket_dir``
+  (``/dev/shm`` by default, or ``rollout.weight_dir``: a directory the server sees), named in
+  ``{"path": ...}``; the server's worker loads it and deletes it
+  (``honing.rollout.vllm_weights``, ``honing.rollout.vllm_transfer``).
+- ``nccl`` (CUDA on both sides): vLLM's own engine. The first sync opens an NCCL group with
+  the server's workers (this process as rank 0, on an address that routes to the server and
+  a free port); each bucket's names, dtypes and shapes go in ``/update_weights`` while its
+  tensors are broadcast, one by one, from this process's GPU.
+
+A server that fails on the way is left out of the rest of the sync and reported (the engine
+sets it aside); a restarted one holds its own weights again and is sent the newest before it
+serves (``catch_up``), when the weights can be made again (``WeightStream.again``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from honing.rollout.openai_http import Endpoint, Retryable
+from honing.rollout.vllm_checks import transfer_backend
+from honing.rollout.vllm_weights import write_bucket
+from honing.rollout.weight_senders import Failures, Post, WeightSender, _Untied
+
+SHARED_MEMORY = "/dev/shm"
+
+
+class VLLMWeightSender(WeightSender):
+    """Sends weight buckets to vLLM servers (see the module).
+
+    Args:
+        post, get: the engine's requests (``(endpoint, path, **httpx arguments)`` -> the JSON
+            answer; ``Retryable`` when the server fails).
+        bucket_dir: where bucket files go for the ``honing`` backend.
+    """
+
+    def __init__(self, post: Post, get: Callable[..., dict], bucket_dir: str = "") -> None:
+        super().__init__(post)
+        self.get = get
+        self.bucket_dir = Path(bucket_dir or SHARED_MEMORY)
+        self._channels: dict[str, _Files | _Nccl] = {}  # by endpoint URL, opened on first use
+        self._newest: tuple[int, Callable | None] | None = None
+        self._names = itertools.count()
+
+    def send(self, endpoints: list[Endpoint], version: int, weights) -> Failures:
+        self._newest = (version, getattr(weights, "again", None))
+        return self._send(endpoints, version, weights)
+
+    def catch_up(self, endpoint: Endpoint) -> bool:
+        """The newest weights again to ``endpoint`` unless ``GET /weight_info`` says it has
+        them; True without a word when none were sent (it holds ``model.path``'s, version 0)."""
+        if self._newest is None:
+            endpoint.version = 0
+            return True
+        version, again = self._newest
+        if self.get(endpoint, "/weight_info").get("weight_version") == str(version):
+            endpoint.version = version
+            return True
+        if again is None:
+            return False
+        failures = self._send([endpoint], version, again())
+        if failures:
+            raise Retryable(failures[0][1])
+        return True
+
+    def _send(self, endpoints: list[Endpoint], version: int, buckets) -> Failures:
+        """Every bucket to every endpoint that keeps answering; the buckets are all read
+        whatever fails (under a sharded layout each is a gather every rank takes part in)."""
+        failures: Failures = []
+        live = self._each(endpoints, failures, self._start)
+        untied = _Untied()
+        for bucket in buckets:
+            files = any(isinstance(self._channels[e.url], _Files) for e in live)
+            tensors = untied.tensors(bucket) if files else {}  # once for every server
+            live = self._each(
+                live, failures, lambda e, b=bucket, t=tensors: self._channels[e.url].update(e, b, t)
+            )
+        finish = {"weight_version": str(version)}
+        live = self._each(
+            live, failures, lambda e: self._calls(e, ("/finish_weight_update", finish), "/resume")
+        )
+        for endpoint in live:
+            endpoint.version = version
+        return failures
+
+    def _each(self, endpoints: list[Endpoint], failures: Failures, action) -> list[Endpoint]:
+        """The endpoints ``action`` succeeded on; the others go to ``failures`` (their channel
+        closed: a server that comes back is a new one)."""
+        done = []
+        for endpoint in endpoints:
+            try:
+                action(endpoint)
+            except Retryable as err:
+                failures.append((endpoint, str(err)))
+                channel = self._channels.pop(endpoint.url, None)
+                if channel is not None:
+                    channel.close()
+                continue
+            done.append(endpoint)
+        return done
+
+    def _start(self, endpoint: Endpoint) -> None:
+        if endpoint.url not in self._channels:
+            info = self.get(endpoint, "/server_info?config_format=json")
+            if transfer_backend(info) == "nccl":
+                self._channels[endpoint.url] = _Nccl(self.post, self.get, endpoint)
+            else:
+                self._channels[endpoint.url] = _Files(self.post, self.bucket_dir, self._names)
+        self._calls(endpoint, "/pause?mode=wait", "/start_weight_update")
+
+    def _calls(self, endpoint: Endpoint, *calls) -> None:
+        for call in calls:
+            path, body = call if isinstance(call, tuple) else (call, None)
+            self.post(endpoint, path, json=body)
+
+
+class _Files:
+    """The ``honing`` backend: a bucket file per ``/update_weights``, which the server deletes
+    once read (this side, when the request failed)."""
+
+    def __init__(self, post: Post, directory: Path, names) -> None:
+        self.post, self.directory, self.names = post, directory, names
+
+    def update(self, endpoint: Endpoint, bucket: list, tensors: dict) -> None:
+        """``tensors``: the bucket on the CPU, a tied weight once."""
+        if not tensors:
+            return
+        path = write_bucket(self.directory, f"{os.getpid()}-{next(self.names)}", tensors)
+        try:
+            self.post(endpoint, "/update_weights", json={"update_info": {"path": str(path)}})
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _Nccl:
+    """vLLM's ``nccl`` backend: an NCCL group with one server's workers, this process rank 0
+    (unpacked: each tensor broadcast alone, the buckets bound the memory)."""
+
+    def __init__(self, post: Post, get: Callable[..., dict], endpoint: Endpoint) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.post = post
+        workers = int(get(endpoint, "/get_world_size")["world_size"])
+        address, port = _address_towards(urlsplit(endpoint.url).hostname or ""), _free_port()
+        init = {
+            "master_address": address,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": workers + 1,
+            "packed": False,
+        }
+        with ThreadPoolExecutor(1) as pool:  # the workers wait in it for the rendezvous
+            joined = pool.submit(
+                post, endpoint, "/init_weight_transfer_engine", json={"init_info": init}
+            )
+            self.group = trainer_init(init)
+            joined.result()
+
+    def update(self, endpoint: Endpoint, bucket: list, tensors: dict) -> None:
+        """The bucket as it is, on the GPU (a tied weight twice: vLLM's model loads it
+        once)."""
+        import torch
+
+        info = {
+            "names": [name for name, _ in bucket],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+        }
+        with ThreadPoolExecutor(1) as pool:  # the workers receive inside the request
+            received = pool.submit(
+                self.post, endpoint, "/update_weights", json={"update_info": info}
+            )
+            stream = torch.cuda.current_stream()
+            for _, tensor in bucket:
+                self.group.broadcast(tensor.cuda().contiguous(), src=0, stream=stream)
+            stream.synchronize()
+            received.result()
+
+    def close(self) -> None:
+        self.group.destroy()
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))
+        return probe.getsockname()[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,251 @@
+"""vLLM servers behind ``rollout.engine=openai``: a real vLLM server (PyPI's build for CPUs) on
+loopback, new weights through its RL API (``rollout.weight_sync=vllm``, honing's shared-memory
+backend), and the start-up checks of its launch flags.
+
+One server at a time: started once for the module (~25 s) and restarted once, by the test that
+kills it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from honing.cli import main as honing_main  # noqa: E402
+from honing.errors import ConfigError  # noqa: E402
+from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream  # noqa: E402
+from honing.rollout.openai_engine import EngineUnavailable, OpenAIEngine  # noqa: E402
+from honing.services.process import free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CPU = torch.device("cpu")
+PROMPTS = ["12+34=", "7+8=", "55+45="]
+# fp32 on both sides, but vLLM's CPU kernels (oneDNN GEMMs, its paged attention) sum in other
+# orders than torch's: the sampled tokens' logprobs differ by 1e-6 to 1e-5 here. 1e-4 leaves
+# room for other CPUs' kernels; the stale output head this guards against moved them by up
+# to 1.2 nats.
+LOGPROB_ATOL = 1e-4
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` on a loopback port, in a process group
+    of its own: its API server, engine core and worker are killed together."""
+
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.model_dir, self.log = model_dir, log
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, logprobs_mode: str = "processed_logprobs", timeout_s: float = 240.0):
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            self.url.rsplit(":", 1)[1],
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "64",
+            "--kv-cache-memory-bytes",
+            str(16 << 20),
+            "--logprobs-mode",
+            logprobs_mode,
+            "--weight-transfer-config",
+            '{"backend": "honing"}',
+        ]
+        env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"vLLM did not answer in {timeout_s} s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+    def weight_version(self) -> str:
+        return httpx.get(f"{self.url}/weight_info").json()["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir, tmp_path_factory):
+    started = Server(vllm_model_dir, tmp_path_factory.mktemp("vllm") / "server.log")
+    started.start()
+    yield started
+    started.kill()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model_dir):
+    return load_tokenizer(vllm_model_dir)
+
+
+def policy(model_dir: Path, tokenizer):
+    return load_causal_lm(model_dir, tokenizer, dtype="float32", device=CPU).eval()
+
+
+def engine_on(server: Server, tokenizer, weight_sync: str, **settings) -> OpenAIEngine:
+    """An ``OpenAIEngine`` on ``server`` (the policy is the served model)."""
+    model_dir = str(server.model_dir)
+    return OpenAIEngine(
+        [server.url], tokenizer, weight_sync=weight_sync, model_dir=model_dir, **settings
+    )
+
+
+def requests_for(tokenizer) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(f"p{i}", tokenizer(text, add_special_tokens=False)["input_ids"], i)
+        for i, text in enumerate(PROMPTS)
+    ]
+
+
+def buckets(model) -> list[list]:
+    """The model's state in buckets of five tensors: a layer's weights come in two."""
+    items = list(model.state_dict().items())
+    return [items[i : i + 5] for i in range(0, len(items), 5)]
+
+
+def perturbed(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():  # tied embeddings stay tied
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return model
+
+
+def teacher_forced(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+
+
+def greedy(model, prompt_ids: list[int], steps: int, stop_ids: set[int]) -> list[int]:
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stop_ids:
+                break
+    return ids[len(prompt_ids) :]
+
+
+def assert_samples_from(engine: OpenAIEngine, model, tokenizer, seed: int) -> None:
+    """Sampled tokens carry ``model``'s logprobs; greedy tokens are ``model``'s."""
+    sampling = SamplingParams(n=4, max_new_tokens=6, max_seq_len=64, seed=seed)
+    for rollout in engine.generate(requests_for(tokenizer), sampling):
+        want = teacher_forced(model, rollout.prompt_ids, rollout.response_ids)
+        got = torch.tensor(rollout.behaviour_logprobs)
+        torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
+    argmax = SamplingParams(n=1, max_new_tokens=6, max_seq_len=64, greedy=True)
+    for rollout in engine.generate(requests_for(tokenizer), argmax):
+        assert rollout.response_ids == greedy(model, rollout.prompt_ids, 6, engine.stop_ids)
+
+
+def test_weights_through_the_rl_api_give_the_trainers_logprobs(
+    server, vllm_model_dir, tokenizer, tmp_path
+):
+    local = policy(vllm_model_dir, tokenizer)
+    engine = engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path))
+    for version in (1, 2, 3):
+        engine.load_weights(version, buckets(perturbed(local, seed=version)))
+        assert server.weight_version() == str(version)
+        assert list(tmp_path.iterdir()) == []  # each bucket file deleted once loaded
+        assert_samples_from(engine, local, tokenizer, seed=version)
+    engine.load_weights(0, buckets(policy(vllm_model_dir, tokenizer)))  # back, for the other tests
+    engine.close()
+
+
+def test_training_samples_from_the_server_and_sends_it_each_version(
+    server, vllm_model_dir, digit_reward, tmp_path, run_config
+):
+    from honing.backends.launch import train
+
+    overrides = {
+        "rollout.engine": "openai",
+        "rollout.endpoints": server.url,
+        "rollout.weight_sync": "vllm",
+        "trainer.total_steps": 3,
+        "trainer.val_at_start": False,
+    }
+    config = run_config(vllm_model_dir, digit_reward, **overrides)
+    train(config, tmp_path / "run", log=lambda message: None)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts) > 0
+        # the server sampled from the policy the trainer had: its weights arrived whole
+        assert m["rollout_mismatch/logprob_diff_max"] < LOGPROB_ATOL
+    assert server.weight_version() == "3"
+
+
+def test_a_killed_server_is_set_aside_then_sent_the_newest_weights(
+    server, vllm_model_dir, tokenizer
+):
+    """As with honing's servers: requests to a dead server fail over (here to none: the call
+    raises ``EngineUnavailable`` naming it); once it is back it is sent the newest weights
+    before it serves (a restarted vLLM server holds ``model.path``'s again)."""
+    local = perturbed(policy(vllm_model_dir, tokenizer), seed=5)
+    engine = engine_on(server, tokenizer, "vllm", cooldown_s=0.5)
+    engine.load_weights(5, WeightStream(buckets(local), again=lambda: buckets(local)))
+    params = SamplingParams(n=2, max_new_tokens=3, max_seq_len=64)
+    assert len(engine.generate(requests_for(tokenizer), params)) == 6
+    server.kill()
+    with pytest.raises(EngineUnavailable, match="ConnectError"):
+        engine.generate(requests_for(tokenizer), params)
+    # Restarted with vLLM's default logprobs mode: at temperature 1 without top-k or top-p raw
+    # and processed logprobs are the same, so it serves here, and is the next test's server.
+    server.start(logprobs_mode="raw_logprobs")
+    assert server.weight_version() == "default"  # its cool-down is over meanwhile
+    assert_samples_from(engine, local, tokenizer, seed=5)
+    assert server.weight_version() == "5"
+    engine.close()
+
+
+def test_a_server_that_reports_raw_logprobs_is_refused(
+    server, vllm_model_dir, tokenizer, digit_reward, tmp_path, capsys
+):
+    from pipeline._configs import cli_args
+
+    for sync in ("vllm", "none"):
+        with pytest.raises(ConfigError, match="--logprobs-mode processed_logprobs"):
+            engine_on(server, tokenizer, sync)
+    with pytest.raises(ConfigError, match="set rollout.weight_sync=vllm"):
+        engine_on(server, tokenizer, "tensors")
+    overrides = {"rollout.engine": "openai", "rollout.endpoints": server.url}
+    args = cli_args(vllm_model_dir, digit_reward, tmp_path / "run", **overrides)
+    assert honing_main(["train", *args, "rollout.weight_sync=vllm"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--logprobs-mode processed_logprobs" in lines[0], lines
