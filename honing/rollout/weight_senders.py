@@ -33,7 +33,7 @@ import shutil
 import uuid
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from honing.rollout.base import WeightBucket, WeightBuckets, WeightStream
@@ -146,8 +146,9 @@ class _Upload:
         body = save(tensors)
         del tensors  # the host copies go: the body alone is held while it is posted
         path = f"/update_weights/bucket?update={self.update}&part={self.parts}"
+        headers = {"Content-Length": str(len(body))}
         for endpoint in list(self.live):
-            self._try(endpoint, path, content=body)
+            self._try(endpoint, path, content=_once(body), headers=headers)
         self.parts += 1
 
     def commit(self, version: int) -> Failures:
@@ -171,6 +172,13 @@ class _Upload:
             self.refused = self.refused or err
         self.live.remove(endpoint)
         return False
+
+
+def _once(body: bytes) -> Iterator[bytes]:
+    """``body`` as a request's content that lets go of it once sent: httpx keeps a request's
+    content in a reference cycle with its response, which only the garbage collector frees
+    (bytes given as they are would stay until then, bucket after bucket)."""
+    yield body
 
 
 class DiskSender(WeightSender):
