@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.honing-installed
 
-.PHONY: setup demo test test-fast lint clean bench-setup bench image
+.PHONY: setup demo test test-fast test-transformers lint clean bench-setup bench image
 
 setup: $(STAMP)
 
@@ -97,6 +97,35 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/ruff check honing tests benchmarks examples deploy
 	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 -m "not slow"
+
+# make test-transformers: honing's use of transformers' internals at both ends of the range
+# pyproject.toml declares (TF_VERSIONS): the lean decode and packed logprob passes against the
+# Hugging Face forward and its KV cache, speculative decoding, activation checkpointing, model
+# loading and saving, chat templates, LoRA, the MoE routers, the MTP heads, the critic, the
+# tiny model's build and short training runs (215 tests, ~50 s a version on the 2-core VM with
+# nothing else running). Each version has a virtualenv of its own, .venv-tf-VERSION, with the
+# dev extras and not vllm, whose pin (transformers<5.20) would move the version under test.
+TF_VERSIONS ?= 5.16.1 5.25.0
+TF_TESTS ?= tests/models/test_moe.py tests/data/test_render.py \
+	$(addprefix tests/rollout/,test_fast_decode.py test_transformers_engine.py test_speculative.py) \
+	$(addprefix tests/trainer/,test_packed.py test_batch.py test_head.py test_autocast.py \
+		test_policy_update.py) \
+	$(addprefix tests/pipeline/,test_lean_paths.py test_lora.py test_moe_run.py test_mtp.py \
+		test_critic.py test_hf_model_dir.py test_train_e2e.py)
+
+test-transformers: $(addprefix test-transformers-,$(TF_VERSIONS))
+
+test-transformers-%: .venv-tf-%/.honing-installed
+	.venv-tf-$*/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	.venv-tf-$*/bin/python -m pytest $(TF_TESTS)
+
+.PRECIOUS: .venv-tf-%/.honing-installed
+.venv-tf-%/.honing-installed: pyproject.toml
+	$(call venv_with_torch,.venv-tf-$*)
+	.venv-tf-$*/bin/uv pip install -q --python .venv-tf-$*/bin/python --compile-bytecode \
+		-e ".[dev]" "transformers==$*" \
+		|| .venv-tf-$*/bin/python -m pip install -q -e ".[dev]" "transformers==$*"
+	touch $@
 
 # Side-by-side benchmark against TRL's GRPOTrainer (benchmarks/grpo_step.py). TRL lives in a
 # virtualenv of its own (.venv-peers) so its pins never touch honing's.
