@@ -11,9 +11,10 @@ from functools import partial
 import httpx
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from honing.models.loading import load_causal_lm, load_tokenizer, save_model
+from honing.data import warmstart_corpus
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream
 from honing.rollout.openai_engine import OpenAIEngine
 from honing.trainer.engine import buckets
@@ -26,26 +27,19 @@ BUCKET = 2 << 20
 
 
 @pytest.fixture(scope="module")
-def wide_model_dir(tmp_path_factory, micro_model_dir):
-    """A random Llama of ~28 MB of float32 weights in matrices of 1 MB (four layers of width
-    512, its embedding tied to its head), with the micro model's tokenizer."""
-    tokenizer = load_tokenizer(micro_model_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def wide_model_dir(tmp_path_factory):
+    """A Llama of ~28 MB of float32 weights in matrices of 1 MB (four layers of width 512,
+    its embedding tied to its head), with the built-in tokenizer; one warm-start step."""
+    spec = TinySpec(
         hidden_size=512,
+        num_layers=4,
+        num_heads=8,
         intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        warmstart_steps=1,
+        warmstart_batch=2,
     )
-    torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("wide") / "model"
-    save_model(LlamaForCausalLM(config), tokenizer, directory)
-    return directory
+    corpus = warmstart_corpus(4, 0, 2, 0.6)
+    return build_tiny_model(tmp_path_factory.mktemp("wide"), corpus, spec, log=lambda m: None)
 
 
 def _status_kb(key: str) -> int:
