@@ -1,6 +1,6 @@
 """Weights streamed bucket by bucket from the trainer's side to ``honing serve rollout``
 processes on loopback (``OpenAIEngine``, ``rollout.weight_sync=tensors|disk``): what a sync
-holds in memory, and a server that comes back after a failure."""
+holds in memory, a server that comes back after a failure, and tied weights sent once."""
 
 import re
 import subprocess
@@ -17,10 +17,9 @@ from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream
 from honing.rollout.openai_engine import OpenAIEngine
+from honing.rollout.weight_senders import _Untied
 from honing.trainer.engine import buckets
 from tests.warm import honing, start_service
-
-pytestmark = pytest.mark.slow  # servers started per test
 
 CPU = torch.device("cpu")
 BUCKET = 2 << 20
@@ -68,6 +67,7 @@ def _moved(model, scale: float) -> None:
             parameter.add_(scale)
 
 
+@pytest.mark.slow
 def test_a_sync_holds_about_two_buckets_not_the_model(wide_model_dir, tmp_path):
     """Syncing a 28 MB model in 2 MB buckets to a real server (tensors: a request per
     bucket; disk: a shard per bucket) holds one bucket's copy and body at a time. Measured
@@ -136,6 +136,7 @@ def _restart(url: str, model_dir) -> subprocess.Popen:
     raise AssertionError(f"the server at {url} did not come back")
 
 
+@pytest.mark.slow
 def test_a_server_that_comes_back_is_sent_the_weights_again(micro_model_dir, tmp_path):
     """The engine keeps no copy of the weights: a server that was down when they were sent
     and comes back with its own is sent them again, made by ``WeightStream.again``, before it
@@ -185,3 +186,23 @@ def test_a_server_that_comes_back_is_sent_the_weights_again(micro_model_dir, tmp
         engine.close()
         for process in (victim, spare):
             _kill(process)
+
+
+def test_tied_weights_go_once_and_reused_memory_is_no_tie():
+    """A tensor that shares a storage already sent in the update (an embedding tied to the
+    head) is left out; one made for the stream in the memory a freed one had (the allocator
+    reuses it) is still sent."""
+    untied = _Untied()
+    embedding = torch.randn(4, 3)
+    tied = [("embed.weight", embedding), ("head.weight", embedding), ("norm", torch.ones(3))]
+    assert list(untied.tensors(tied)) == ["embed.weight", "norm"]
+
+    def made_one_at_a_time():  # as merged LoRA matrices or gathered shards come
+        for index in range(16):
+            yield [(f"w{index}", torch.full((256,), float(index)))]
+
+    sent = {}
+    for bucket in made_one_at_a_time():
+        sent |= {name: float(tensor[0]) for name, tensor in untied.tensors(bucket).items()}
+        del bucket
+    assert sent == {f"w{index}": float(index) for index in range(16)}
