@@ -58,8 +58,8 @@ class WeightSender(ABC):
 
     @abstractmethod
     def catch_up(self, endpoint: Endpoint) -> bool:
-        """Sends ``endpoint`` the newest weights sent, unless it has them; False when they
-        cannot be sent again.
+        """Sends ``endpoint`` the newest weights sent, unless it has them (or none were sent);
+        False when they cannot be sent again.
 
         Raises:
             Retryable: the endpoint failed again.
@@ -110,8 +110,8 @@ class TensorSender(WeightSender):
         return failures
 
     def catch_up(self, endpoint: Endpoint) -> bool:
-        if endpoint.version == self.newest:
-            return True
+        if self.newest is None or endpoint.version == self.newest:
+            return True  # nothing sent yet, or it has them
         if self._again is None:
             return False
         failures = self._stream([endpoint], self.newest, self._again())
@@ -141,7 +141,7 @@ class _Upload:
     def bucket(self, tensors: dict) -> None:
         from safetensors.torch import save
 
-        if not tensors:
+        if not tensors or self.refused is not None:
             return
         body = save(tensors)
         del tensors  # the host copies go: the body alone is held while it is posted
@@ -203,7 +203,7 @@ class DiskSender(WeightSender):
 
     def catch_up(self, endpoint: Endpoint) -> bool:
         if self._latest is None:
-            return False
+            return True  # nothing sent yet
         if endpoint.version != self._latest[0]:
             self._post_latest(endpoint)
             endpoint.version = self._latest[0]

@@ -16,7 +16,7 @@ from honing.data import warmstart_corpus
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream
-from honing.rollout.openai_engine import OpenAIEngine
+from honing.rollout.openai_engine import EngineRequestError, OpenAIEngine
 from honing.rollout.weight_senders import _Untied
 from honing.trainer.engine import buckets
 from tests.warm import honing, start_service
@@ -185,6 +185,43 @@ def test_a_server_that_comes_back_is_sent_the_weights_again(micro_model_dir, tmp
     finally:
         engine.close()
         for process in (victim, spare):
+            _kill(process)
+
+
+@pytest.mark.slow
+def test_a_bucket_a_server_refuses_leaves_every_server_as_it_was(micro_model_dir):
+    """A bucket that does not fit the served model is refused: the update is committed
+    nowhere (both servers keep their version and their answers), the refusal is raised with
+    the server's message, and every bucket is still read (a sharded trainer's ranks gather
+    them together)."""
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
+    _moved(model, 0.05)
+    pieces = list(model.state_dict().items())
+    read = []
+
+    def weights():
+        for index, bucket in enumerate([pieces[:3], [("model.norm.weight", torch.ones(33))]]):
+            read.append(index)
+            yield bucket
+        read.append(2)
+        yield pieces[3:]
+
+    started = [start_service("rollout", "--model", str(micro_model_dir)) for _ in range(2)]
+    urls = [url for _, url in started]
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    before = [httpx.post(f"{url}/v1/completions", json=body).json()["choices"] for url in urls]
+    engine = OpenAIEngine(urls, tokenizer)
+    try:
+        with pytest.raises(EngineRequestError, match="model.norm.weight has shape"):
+            engine.load_weights(1, weights())
+        assert read == [0, 1, 2]
+        for url, choices in zip(urls, before, strict=True):
+            assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+            assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"] == choices
+    finally:
+        engine.close()
+        for process, _ in started:
             _kill(process)
 
 
