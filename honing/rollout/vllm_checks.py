@@ -55,17 +55,16 @@ def check_vllm_server(
     missing = [] if _processed_logprobs(ask, url, token, model, probe_ids) else [PROCESSED]
     if weight_sync == "vllm":
         missing += _weight_transfer_missing(ask, url, token)
-    if missing:
-        raise ConfigError(
-            f"rollout.endpoints: {url} cannot serve this run: start it with "
-            + " and ".join(missing)
-            + (
-                " (vLLM reports logprobs before temperature and top-k/top-p otherwise, "
-                "which makes every importance weight wrong)"
-                if PROCESSED in missing
-                else ""
-            )
-        )
+    if not missing:
+        return
+    flags = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+    why = (
+        " (vLLM reports logprobs before temperature and top-k/top-p otherwise, which makes every "
+        "importance weight wrong)"
+        if PROCESSED in missing
+        else ""
+    )
+    raise ConfigError(f"rollout.endpoints: {url} cannot serve this run: start it with {flags}{why}")
 
 
 def refuse_other_server(url: str) -> None:
@@ -103,13 +102,12 @@ def _weight_transfer_missing(ask: Ask, url: str, token: str) -> list[str]:
     if answer.status_code == 404:  # dev mode off: no RL API, no server_info
         return ["VLLM_SERVER_DEV_MODE=1 in its environment", LAUNCH]
     try:
-        transfer = answer.json()["vllm_config"].get("weight_transfer_config")
+        backend = transfer_backend(answer.json())
     except (ValueError, KeyError, AttributeError, TypeError):
         raise ConfigError(
             f"rollout.endpoints: {url}/server_info answered HTTP {answer.status_code} "
             f"({answer.text[:200]}) where vLLM's config was expected"
         ) from None
-    backend = (transfer or {}).get("backend")
     if backend in BACKENDS:
         return []
     if backend:
@@ -118,6 +116,6 @@ def _weight_transfer_missing(ask: Ask, url: str, token: str) -> list[str]:
 
 
 def transfer_backend(server_info: dict) -> str:
-    """The weight-transfer backend of a vLLM server's ``/server_info`` answer."""
+    """The weight-transfer backend of a vLLM server's ``/server_info`` answer ("" for none)."""
     transfer = server_info["vllm_config"].get("weight_transfer_config") or {}
     return str(transfer.get("backend", ""))

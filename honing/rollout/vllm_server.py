@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from honing.rollout.openai_http import Endpoint, Retryable
+from honing.rollout.base import WeightBuckets, WeightStream
+from honing.rollout.openai_http import Endpoint, EngineRequestError, Retryable
 from honing.rollout.vllm_checks import transfer_backend
 from honing.rollout.vllm_weights import write_bucket
 from honing.rollout.weight_senders import Failures, Post, WeightSender, _Untied
@@ -55,8 +56,8 @@ class VLLMWeightSender(WeightSender):
         self._newest: tuple[int, Callable | None] | None = None
         self._names = itertools.count()
 
-    def send(self, endpoints: list[Endpoint], version: int, weights) -> Failures:
-        self._newest = (version, getattr(weights, "again", None))
+    def send(self, endpoints: list[Endpoint], version: int, weights: WeightBuckets) -> Failures:
+        self._newest = (version, weights.again if isinstance(weights, WeightStream) else None)
         return self._send(endpoints, version, weights)
 
     def catch_up(self, endpoint: Endpoint) -> bool:
@@ -77,40 +78,25 @@ class VLLMWeightSender(WeightSender):
         return True
 
     def _send(self, endpoints: list[Endpoint], version: int, buckets) -> Failures:
-        """Every bucket to every endpoint that keeps answering; the buckets are all read
-        whatever fails (under a sharded layout each is a gather every rank takes part in)."""
-        failures: Failures = []
-        live = self._each(endpoints, failures, self._start)
+        """Every bucket to every endpoint that keeps answering (see ``_Round``)."""
+        sync = _Round(endpoints, self._forget)
+        sync.each(self._start)
         untied = _Untied()
         for bucket in buckets:
-            files = any(isinstance(self._channels[e.url], _Files) for e in live)
+            files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
             tensors = untied.tensors(bucket) if files else {}  # once for every server
-            live = self._each(
-                live, failures, lambda e, b=bucket, t=tensors: self._channels[e.url].update(e, b, t)
-            )
+            sync.each(lambda e, b=bucket, t=tensors: self._channels[e.url].update(e, b, t))
         finish = {"weight_version": str(version)}
-        live = self._each(
-            live, failures, lambda e: self._calls(e, ("/finish_weight_update", finish), "/resume")
-        )
-        for endpoint in live:
+        sync.each(lambda e: self._calls(e, ("/finish_weight_update", finish), "/resume"))
+        for endpoint in sync.live:
             endpoint.version = version
-        return failures
+        return sync.end()
 
-    def _each(self, endpoints: list[Endpoint], failures: Failures, action) -> list[Endpoint]:
-        """The endpoints ``action`` succeeded on; the others go to ``failures`` (their channel
-        closed: a server that comes back is a new one)."""
-        done = []
-        for endpoint in endpoints:
-            try:
-                action(endpoint)
-            except Retryable as err:
-                failures.append((endpoint, str(err)))
-                channel = self._channels.pop(endpoint.url, None)
-                if channel is not None:
-                    channel.close()
-                continue
-            done.append(endpoint)
-        return done
+    def _forget(self, endpoint: Endpoint) -> None:
+        """Closes the channel of a server that failed: one that comes back is a new one."""
+        channel = self._channels.pop(endpoint.url, None)
+        if channel is not None:
+            channel.close()
 
     def _start(self, endpoint: Endpoint) -> None:
         if endpoint.url not in self._channels:
@@ -125,6 +111,35 @@ class VLLMWeightSender(WeightSender):
         for call in calls:
             path, body = call if isinstance(call, tuple) else (call, None)
             self.post(endpoint, path, json=body)
+
+
+class _Round:
+    """One sync to several servers, step by step on each server still in it. One that fails
+    (``Retryable``) leaves it and is reported; one that refuses a request (HTTP 4xx) leaves it
+    and the refusal is raised at the end, once every bucket was read (under a sharded layout
+    each bucket is a gather every rank takes part in)."""
+
+    def __init__(self, endpoints: list[Endpoint], forget: Callable[[Endpoint], None]) -> None:
+        self.live, self.forget = list(endpoints), forget
+        self.failures: Failures = []
+        self.refused: EngineRequestError | None = None
+
+    def each(self, step: Callable[[Endpoint], None]) -> None:
+        for endpoint in list(self.live):
+            try:
+                step(endpoint)
+                continue
+            except Retryable as err:
+                self.failures.append((endpoint, str(err)))
+            except EngineRequestError as err:
+                self.refused = self.refused or err
+            self.live.remove(endpoint)
+            self.forget(endpoint)
+
+    def end(self) -> Failures:
+        if self.refused is not None:
+            raise self.refused
+        return self.failures
 
 
 class _Files:
