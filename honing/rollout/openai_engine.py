@@ -19,9 +19,10 @@ the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx a
 request) is not retried: it raises at once with the server's message.
 
 Weights: ``load_weights(version, weights)`` has the sender of ``weight_sync``
-(``honing.rollout.weight_senders``) send them, bucket by bucket, to every endpoint that is up;
-one that comes back holding other weights is sent the newest before it serves a request, or,
-when the sender cannot make them again, serves nothing until the next sync.
+(``honing.rollout.weight_senders``; vLLM's RL API: ``honing.rollout.vllm_server``) send them,
+bucket by bucket, to every endpoint that is up; one that comes back holding other weights (a
+server whose ``/health`` does not say which it holds may) is sent the newest before it serves
+a request, or, when the sender cannot make them again, serves nothing until the next sync.
 
 Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
 the experts the server's routers chose, in vLLM's or SGLang's form
