@@ -206,7 +206,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     if rollout.engine == "vllm":
-        engine = vllm_engine(config, local, model_path, device)
+        engine = vllm_engine(config, local, model_path, device, trainer)
     elif rollout.engine == "openai":
         engine = remote_engine(config, local, model_path)
     else:
@@ -399,13 +399,17 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     )
 
 
-def vllm_engine(config: Config, local: TransformersEngine, model_dir: Path, device):
-    """``rollout.engine=vllm``: vLLM in this process, loaded from ``model_dir`` (the policy's
-    starting weights) with the rollout settings; the policy's own stop tokens."""
+def vllm_engine(
+    config: Config, local: TransformersEngine, model_dir: Path, device, policy: TrainerEngine
+):
+    """``rollout.engine=vllm``: vLLM in this process, built from ``model_dir``'s config with
+    the rollout settings, the policy's stop tokens and the policy's weights as they are here
+    (LoRA merged; embeddings grown for an added pad token included)."""
+    from honing.models.loading import plain_weight_items
     from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings, model_problem
 
-    rollout, policy = config.rollout, local.model
-    problem = model_problem(policy.config, device.type)
+    rollout, policy_model = config.rollout, local.model
+    problem = model_problem(policy_model.config, device.type)
     if problem is not None:
         raise ConfigError(f"rollout.engine=vllm: {problem}; use rollout.engine=transformers")
     settings = VLLMSettings(
@@ -424,6 +428,8 @@ def vllm_engine(config: Config, local: TransformersEngine, model_dir: Path, devi
         max_seq_len=rollout.max_seq_len,
         settings=settings,
         device_type=device.type,
+        weights=policy.weights(plain_weight_items),
+        vocab_size=policy_model.get_input_embeddings().weight.shape[0],
     )
 
 

@@ -145,7 +145,13 @@ class VLLMEngine(RolloutEngine):
         max_seq_len: int,
         settings: VLLMSettings | None = None,
         device_type: str = "cpu",
+        weights: WeightBuckets | None = None,
+        vocab_size: int | None = None,
     ):
+        """``weights``: the policy's starting weights, which vLLM then takes in place of the
+        directory's (it starts with placeholder weights: no second read of the checkpoint;
+        ``vocab_size``, the policy's embedding rows, when honing grew them for a pad token
+        the tokenizer lacked)."""
         super().__init__(Holding.REMOTE)
         if (hint := vllm_available()) is not None:
             raise ImportError(hint)
@@ -156,11 +162,13 @@ class VLLMEngine(RolloutEngine):
         self.model_dir = str(model_dir)
         self.max_seq_len = max_seq_len
         started = time.perf_counter()
-        self.llm = self._start(max_seq_len)
-        self.start_seconds = time.perf_counter() - started
         self._asleep = False
+        self.llm = self._start(max_seq_len, weights is not None, vocab_size)
+        if weights is not None:
+            self.load_weights(0, weights)
+        self.start_seconds = time.perf_counter() - started
 
-    def _start(self, max_seq_len: int):
+    def _start(self, max_seq_len: int, placeholder: bool, vocab_size: int | None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -174,6 +182,10 @@ class VLLMEngine(RolloutEngine):
                 options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
         else:  # on a CPU, gpu_memory_utilization would reserve that share of the RAM
             options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
+        if placeholder:
+            options["load_format"] = "dummy"
+        if vocab_size is not None:
+            options["hf_overrides"] = {"vocab_size": vocab_size}
         return LLM(
             model=self.model_dir,
             skip_tokenizer_init=True,

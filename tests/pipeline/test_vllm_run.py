@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -60,6 +61,24 @@ def test_every_step_logs_the_gap_and_vllm_follows_the_updates_and_a_resume(
         assert m["rollout_mismatch/kl"] < 1e-6, m
         assert m["perf/sync_mb"] > 0
         assert m["actor/grad_norm"] > 0
+
+
+def test_embeddings_grown_for_a_pad_token_reach_vllm(tmp_path, vllm_model_dir, digit_reward):
+    """A tokenizer without a pad token gets one and the policy an embedding row more than its
+    directory holds: vLLM is built for the grown vocabulary and given the policy's weights."""
+    from honing.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(vllm_model_dir)
+    model = load_causal_lm(vllm_model_dir, tokenizer, dtype="float32", device=torch.device("cpu"))
+    tokenizer.pad_token = tokenizer.eos_token  # as many base models ship: no pad token
+    save_model(model, tokenizer, tmp_path / "no-pad")
+    config = small_run_config(
+        tmp_path / "no-pad", digit_reward, **VLLM | {"trainer.total_steps": 2}
+    )
+    train(config, tmp_path / "run", resume="never", log=NO_LOG)
+    steps = _steps(tmp_path / "run")
+    assert len(steps) == 2
+    assert all(m["rollout_mismatch/logprob_diff_max"] < GAP for m in steps), steps
 
 
 def test_what_vllm_cannot_do_is_refused_in_one_line(vllm_model_dir, micro_model_dir, tmp_path):
