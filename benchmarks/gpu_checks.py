@@ -14,7 +14,10 @@ On a random ~0.5B Qwen2 configuration (Qwen2-0.5B's shape: hidden 896, 24 layers
 4. peak device memory of one full training step (generation, then the update) with and
    without ``memory.dynamic_offload`` (threshold forced low so that it acts), and under
    ``trainer.strategy=fsdp`` with ``memory.param_offload`` on the one device (FSDP2 over a
-   group of one, parameters and optimizer step on the host), with its step time.
+   group of one, parameters and optimizer step on the host), with its step time;
+5. with vLLM installed (on CUDA): vLLM in process and a vLLM server with NCCL weight transfer,
+   each with its tokens/s, a weight sync's time and the logprob gap after it
+   (``benchmarks/gpu_vllm.py``).
 
 Writes benchmarks/results/gpu_checks.{json,md}. ``--size tiny --device cpu`` runs the same
 code paths in seconds on a CPU (what the test suite does, so the script does not rot).
@@ -25,6 +28,7 @@ code paths in seconds on a CPU (what the test suite does, so the script does not
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import tempfile
@@ -176,6 +180,7 @@ def full_step_memory(
             "model.path": str(model_dir),
             "model.device": device.type,
             "trainer.autocast": "bfloat16" if device.type == "cuda" else "none",
+            "rollout.engine": "transformers",  # honing's own engine's memory (vLLM: item 5)
             "rollout.batch_size": 8,
             "rollout.group_size": gen_rows // 8,
             "rollout.max_new_tokens": gen_tokens,
@@ -210,6 +215,21 @@ def full_step_memory(
             "memory/model_state_mb",
         )
     }
+
+
+def vllm_checks(model_dir: Path, device: torch.device) -> dict:
+    """benchmarks/gpu_vllm.py's checks, each one's failure recorded beside the others'
+    results rather than losing them."""
+    from benchmarks.gpu_vllm import colocated, server
+
+    record: dict = {}
+    for name, check in (("colocated", colocated), ("server", server)):
+        torch.cuda.empty_cache()
+        try:
+            record[name] = check(model_dir, device)
+        except Exception as err:  # noqa: BLE001 - a device run's other figures are kept
+            record[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+    return record
 
 
 def main() -> None:
@@ -259,6 +279,8 @@ def main() -> None:
             # FSDP2 over one device with its parameters on the host (CPU: trains whole)
             "fsdp_param_offload": full_step_memory(model_dir, device, args.size, False, sharded),
         }
+        if device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+            record["vllm"] = vllm_checks(model_dir, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
@@ -287,6 +309,8 @@ def main() -> None:
     )
     for name, memory in record["full_step_memory"].items():
         lines.append(f"- full step, {name}: " + ", ".join(f"{k} {v}" for k, v in memory.items()))
+    for name, figures in record.get("vllm", {}).items():
+        lines.append(f"- vLLM {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

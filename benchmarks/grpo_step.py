@@ -164,6 +164,7 @@ def honing_overrides(work: Workload, model_dir: Path, data: dict, threads: int) 
         f"data.train_files=[{data['train']}]",
         f"data.val_files=[{data['val']}]",
         f"reward.function={REWARD_FN}:starts_with_answer",
+        "rollout.engine=transformers",  # honing's own engine: what the recorded rows measured
         "rollout.batch_size=8",
         "rollout.group_size=8",
         f"rollout.max_new_tokens={work.max_new_tokens}",

@@ -31,6 +31,8 @@ def task_seed(seed: int, start: int) -> int:
     return (seed * 1_000_003 + start) % (2**63)
 
 
-def request_seed(seed: int, index: int) -> int:
-    """A completion request's seed for a remote server (31 bits, what servers accept)."""
-    return (seed * 1_000_003 + index) % (2**31)
+def request_seed(seed: int, index: int, samples: int = 1) -> int:
+    """A completion request's seed for a vLLM-style engine (31 bits, what servers accept).
+    vLLM seeds the k-th of a request's ``samples`` with ``seed + k``: requests are spaced
+    ``samples`` apart so that no two samples of a call share a random stream."""
+    return (seed * 1_000_003 + index * samples) % (2**31)

@@ -27,3 +27,17 @@ def test_the_gpu_script_runs_its_checks_on_a_tiny_model(tmp_path):
     assert record["training"]["tokens_per_s"] > 0 and record["training"]["mfu"] > 0
     assert set(record["full_step_memory"]) == {"offload_off", "offload_on", "fsdp_param_offload"}
     assert "MFU" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_the_gpu_script_s_vllm_part_runs_colocated_on_a_cpu(vllm_model_dir):
+    """The vLLM checks (benchmarks/gpu_vllm.py) in their CPU mode: vLLM in process takes a
+    perturbed policy's weights and samples with them (fp32: the gap is rounding)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from benchmarks.gpu_vllm import colocated
+
+    result = colocated(vllm_model_dir, torch.device("cpu"))
+    assert result["tokens_per_s"] > 0 and result["sync_s"] > 0
+    assert result["logprob_gap_max"] < 1e-3

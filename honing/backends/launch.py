@@ -12,6 +12,7 @@ from pathlib import Path
 
 from honing.backends import torchrun
 from honing.config import Config
+from honing.pipeline.engine_choice import choose_engine
 from honing.pipeline.rules import check_config
 from honing.pipeline.run import check_run_dir, stderr_log, train_here
 
@@ -21,6 +22,7 @@ def train(config: Config, run_dir: Path, resume: str = "auto", log=None) -> dict
     empty on torchrun ranks other than 0, which write nothing)."""
     log = log or stderr_log
     world_size = torchrun.world()[1]
+    config = choose_engine(config, world_size, log)
     check_config(config, world_size)
     check_run_dir(run_dir)
     if config.pipeline.backend == "ray":

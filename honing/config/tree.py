@@ -71,10 +71,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # transformers: honing's own, in process; vllm: vLLM's engine in process (pip install -e
-    # ".[vllm]"); openai: remote servers speaking the OpenAI completions API with token ids and
-    # logprobs (vLLM, SGLang, honing serve rollout)
-    engine: str = _opt("transformers", choices=("transformers", "vllm", "openai"))
+    # auto: vllm where it is installed, takes the run's settings and is faster for the model
+    # (from 20M parameters), else transformers; transformers: honing's own, in process; vllm:
+    # vLLM's engine in process (pip install -e ".[vllm]"); openai: remote servers speaking the
+    # OpenAI completions API with token ids and logprobs (vLLM, SGLang, honing serve rollout)
+    engine: str = _opt("auto", choices=("auto", "transformers", "vllm", "openai"))
     endpoints: str = _opt("", urls=True)  # openai: server URLs, comma-separated
     model_name: str = _opt("")  # openai: the served model's name (default: the first served)
     timeout_s: float = _opt(600.0, gt=0.0)  # openai: one completion request
@@ -113,10 +114,11 @@ class RolloutConfig:
     gen_timeout_s: float = _opt(0.0, ge=0.0)
     # The policy's weights reach the rollout engines in pieces of at most this many MiB
     weight_bucket_mb: int = _opt(256, ge=1)
-    # rollout.engine=vllm: the KV cache's size (on CUDA, 0 lets gpu_memory_utilization size
-    # it), eager mode (false: torch.compile and CUDA graphs), and on CUDA the GPU's share for
-    # vLLM and sleep mode (KV cache freed, weights offloaded while the trainer updates)
-    vllm_kv_cache_mb: int = _opt(256, ge=0)
+    # rollout.engine=vllm: the KV cache's size (0: 256 MiB on a CPU; on CUDA what
+    # gpu_memory_utilization leaves), eager mode (false: torch.compile and CUDA graphs), and
+    # on CUDA the GPU's share for vLLM and sleep mode (KV cache freed, weights offloaded while
+    # the trainer updates; schedule.mode=sync)
+    vllm_kv_cache_mb: int = _opt(0, ge=0)
     vllm_enforce_eager: bool = _opt(True)
     vllm_gpu_memory_utilization: float = _opt(0.5, gt=0.0, le=1.0)
     vllm_sleep: bool = _opt(False)

@@ -184,7 +184,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
     check_policy_routing(config, policy)
     if m.lora_rank:
         policy = apply_lora(policy, m.lora_rank, m.lora_alpha, m.lora_target_modules)
-        if rollout.engine != "transformers" or config.pipeline.backend == "ray":
+        if rollout.engine in ("vllm", "openai") or config.pipeline.backend == "ray":
             check_mergeable(policy)  # engines in other processes get the adapters merged
     layout = trainer_layout(config, group, log)
     # A sharded policy cannot sample on one rank alone: generation gets a whole copy of its
@@ -202,15 +202,15 @@ def build_components(config: Config, log=print, group=None) -> Components:
     train, val, skipped = keep_tokenized(train, val, skipped, prompt_ids)
     holds = Holding.SHARED if sampler is policy else Holding.COPY
     local = local_engine(config, sampler, tokenizer, device, holds)
-    if rollout.engine == "transformers" and rollout.fast_decode and not local.fast_decode:
-        reason = local.fast_decode_reason
-        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     if rollout.engine == "vllm":
         engine = vllm_engine(config, local, model_path, device, trainer)
     elif rollout.engine == "openai":
         engine = remote_engine(config, local, model_path)
-    else:
+    else:  # transformers, or auto where nothing chose (launch.train chooses)
         engine = local
+    if engine is local and rollout.fast_decode and not local.fast_decode:
+        reason = local.fast_decode_reason
+        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     trainers = Trainers(
         policy=trainer,
@@ -400,37 +400,46 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
 
 
 def vllm_engine(
-    config: Config, local: TransformersEngine, model_dir: Path, device, policy: TrainerEngine
+    config: Config, local: TransformersEngine, model_dir: Path, device, trainer: TrainerEngine
 ):
     """``rollout.engine=vllm``: vLLM in this process, built from ``model_dir``'s config with
-    the rollout settings, the policy's stop tokens and the policy's weights as they are here
-    (LoRA merged; embeddings grown for an added pad token included)."""
+    the rollout settings, the policy's stop tokens and the policy's weights as ``trainer``
+    holds them (LoRA merged; embeddings grown for an added pad token included). On CUDA it
+    samples in the trainer's autocast dtype where one is set."""
     from honing.models.loading import plain_weight_items
-    from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings, model_problem
+    from honing.rollout.vllm_engine import CPU_KV_CACHE_MB, VLLMEngine, VLLMSettings, model_problem
 
-    rollout, policy_model = config.rollout, local.model
-    problem = model_problem(policy_model.config, device.type)
+    rollout, policy = config.rollout, local.model
+    problem = model_problem(policy.config, device.type)
     if problem is not None:
         raise ConfigError(f"rollout.engine=vllm: {problem}; use rollout.engine=transformers")
+    dtype, kv_cache_mb = config.model.dtype, rollout.vllm_kv_cache_mb
+    if device.type == "cuda" and config.trainer.autocast != "none":
+        dtype = config.trainer.autocast
+    if device.type != "cuda":
+        kv_cache_mb = kv_cache_mb or CPU_KV_CACHE_MB
     settings = VLLMSettings(
-        kv_cache_mb=rollout.vllm_kv_cache_mb,
+        kv_cache_mb=kv_cache_mb,
         enforce_eager=rollout.vllm_enforce_eager,
         gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
         sleep=rollout.vllm_sleep,
         max_num_seqs=rollout.generation_batch,
-        dtype=config.model.dtype,
+        dtype=dtype,
         seed=config.trainer.seed,
     )
-    return VLLMEngine(
-        model_dir,
-        local.tokenizer,
-        stop_ids=local.stop_ids,
-        max_seq_len=rollout.max_seq_len,
-        settings=settings,
-        device_type=device.type,
-        weights=policy.weights(plain_weight_items),
-        vocab_size=policy_model.get_input_embeddings().weight.shape[0],
-    )
+    try:
+        return VLLMEngine(
+            model_dir,
+            local.tokenizer,
+            stop_ids=local.stop_ids,
+            max_seq_len=rollout.max_seq_len,
+            settings=settings,
+            device_type=device.type,
+            weights=trainer.weights(plain_weight_items),
+            vocab_size=policy.get_input_embeddings().weight.shape[0],
+        )
+    except ValueError as err:  # the policy's weights do not fit vLLM's model
+        raise ConfigError(f"rollout.engine=vllm: {str(err).splitlines()[0]}") from None
 
 
 def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):

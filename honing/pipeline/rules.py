@@ -133,7 +133,7 @@ def _rollout(config: Config) -> None:
         return
     if rollout.speculative == "off":
         return
-    if rollout.engine != "transformers":
+    if rollout.engine not in ("transformers", "auto"):  # auto: honing's when speculating
         raise ConfigError(
             "rollout.speculative applies to honing's own engine (rollout.engine=transformers); "
             "for vLLM or SGLang servers start them with their speculative options and set "
@@ -280,7 +280,7 @@ def _backend(config: Config, world_size: int) -> None:
             "pipeline.backend=ray does not run under torchrun; start one process "
             "(the trainer actor holds the trainer)"
         )
-    if config.rollout.engine != "transformers":
+    if config.rollout.engine not in ("transformers", "auto"):  # auto: honing's under Ray
         raise ConfigError(
             "pipeline.backend=ray runs honing's own engine in its rollout workers; "
             f"rollout.engine={config.rollout.engine} runs vLLM or servers (use backend=local)"
@@ -301,6 +301,17 @@ def _vllm(config: Config, world_size: int) -> None:
         raise ConfigError(
             "rollout.engine=vllm holds vLLM in one process; under torchrun use vLLM servers "
             "(rollout.engine=openai, rollout.weight_sync=vllm)"
+        )
+    if config.trainer.strategy == "fsdp":
+        raise ConfigError(
+            "rollout.engine=vllm takes the whole policy in this process; with "
+            "trainer.strategy=fsdp use vLLM servers (rollout.engine=openai, "
+            "rollout.weight_sync=vllm)"
+        )
+    if rollout.vllm_sleep and config.schedule.mode != "sync":
+        raise ConfigError(
+            "rollout.vllm_sleep frees vLLM's memory while the trainer updates, which under "
+            f"schedule.mode={config.schedule.mode} it does while vLLM generates: use sync"
         )
     if rollout.gen_timeout_s:
         raise ConfigError(

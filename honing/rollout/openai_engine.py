@@ -169,7 +169,7 @@ class OpenAIEngine(RolloutEngine):
             "temperature": 0.0 if params.greedy else params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
-            "seed": request_seed(params.seed, index),  # per prompt, reproducible
+            "seed": request_seed(params.seed, index, params.n),  # per prompt, reproducible
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,

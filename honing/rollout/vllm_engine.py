@@ -32,6 +32,8 @@ from honing.rollout.vllm_weights import redo_cpu_expert_packing, refresh_tied_he
 from honing.seeds import request_seed
 from honing.types import Rollout
 
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+CPU_KV_CACHE_MB = 256  # rollout.vllm_kv_cache_mb=0 on a CPU
 INSTALL_HINT = (
     'rollout.engine=vllm needs vLLM: pip install -e ".[vllm]" (x86-64 CPUs), or upstream vllm '
     "on a GPU machine (README)"
@@ -59,6 +61,8 @@ def vllm_available() -> str | None:
         import vllm  # noqa: F401
     except ImportError:
         return INSTALL_HINT
+    except Exception as err:  # noqa: BLE001 - installed but broken (e.g. a CUDA torchvision)
+        return f"rollout.engine=vllm: vLLM is installed but does not import ({err})"
     return None
 
 
@@ -91,19 +95,21 @@ def _begin_reload(worker) -> None:
         initialize_layerwise_reload(model)
 
 
-def _load_bucket(worker, bucket: list) -> None:
+def _load_bucket(worker, bucket: list) -> set[str]:
     """In vLLM's worker: one bucket of (name, tensor) pieces into the model; a layer is
-    processed (repacked for its kernels) as soon as all its tensors have come."""
+    processed (repacked for its kernels) as soon as all its tensors have come. Returns the
+    names of the model's parameters it loaded."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
     with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
-        worker.model_runner.model.load_weights(bucket)
+        return set(worker.model_runner.model.load_weights(bucket) or ())
 
 
-def _finish_reload(worker) -> None:
+def _finish_reload(worker) -> set[str]:
     """In vLLM's worker: the layers that got nothing keep their tensors; a tied output head
-    is repacked with the new embeddings (``refresh_tied_head``)."""
+    is repacked with the new embeddings (``refresh_tied_head``). Returns the names of the
+    model's parameters (a tied one once)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -111,6 +117,7 @@ def _finish_reload(worker) -> None:
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
         refresh_tied_head(model)
+    return {name for name, _ in model.named_parameters()}
 
 
 def _vllm_sampling(params: SamplingParams, max_tokens: int, seed: int, stop_ids, n: int):
@@ -162,15 +169,14 @@ class VLLMEngine(RolloutEngine):
         self.model_dir = str(model_dir)
         self.max_seq_len = max_seq_len
         started = time.perf_counter()
-        self._asleep = False
         self.llm = self._start(max_seq_len, weights is not None, vocab_size)
         if weights is not None:
             self.load_weights(0, weights)
         self.start_seconds = time.perf_counter() - started
 
     def _start(self, max_seq_len: int, placeholder: bool, vocab_size: int | None):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import torch
         from vllm import LLM
 
         s = self.settings
@@ -186,17 +192,29 @@ class VLLMEngine(RolloutEngine):
             options["load_format"] = "dummy"
         if vocab_size is not None:
             options["hf_overrides"] = {"vocab_size": vocab_size}
-        return LLM(
-            model=self.model_dir,
-            skip_tokenizer_init=True,
-            dtype=s.dtype,
-            enforce_eager=s.enforce_eager,
-            max_model_len=max_seq_len,
-            max_num_seqs=s.max_num_seqs,
-            seed=s.seed,
-            logprobs_mode="processed_logprobs",
-            **options,
-        )
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+        # the trainer's thread setting (trainer.threads) stays the trainer's to make.
+        set_num_threads = torch.set_num_threads
+        multiprocessing = os.environ.get(IN_PROCESS)
+        os.environ[IN_PROCESS] = "0"  # the engine core in this process
+        try:
+            return LLM(
+                model=self.model_dir,
+                skip_tokenizer_init=True,
+                dtype=s.dtype,
+                enforce_eager=s.enforce_eager,
+                max_model_len=max_seq_len,
+                max_num_seqs=s.max_num_seqs,
+                seed=s.seed,
+                logprobs_mode="processed_logprobs",
+                **options,
+            )
+        finally:  # a vLLM server started from this process later spawns its own
+            torch.set_num_threads = set_num_threads
+            if multiprocessing is None:
+                os.environ.pop(IN_PROCESS, None)
+            else:
+                os.environ[IN_PROCESS] = multiprocessing
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
         from vllm.inputs import TokensPrompt
@@ -216,7 +234,7 @@ class VLLMEngine(RolloutEngine):
         for index, r in enumerate(flat):
             budget = min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids))
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            seed = request_seed(params.seed, index)
+            seed = request_seed(params.seed, index, n)
             sampling.append(_vllm_sampling(params, budget, seed, self.stop_ids, n))
         started = time.perf_counter()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
@@ -234,6 +252,8 @@ class VLLMEngine(RolloutEngine):
         entries = zip(completion.logprobs, ids, strict=True)
         logprobs = [entry[token].logprob for entry, token in entries]
         reason = completion.finish_reason
+        if reason == "error":  # vLLM failed inside: nothing to train on
+            raise RuntimeError(f"vLLM failed while completing prompt {request.prompt_id}")
         if reason not in ("stop", "length"):
             reason = "abort"
         return Rollout(
@@ -253,26 +273,37 @@ class VLLMEngine(RolloutEngine):
         processed once all its tensors have arrived), then drops the prefix cache, whose
         keys and values were computed with the old weights."""
         if weights is not None:
-            if self._asleep:
+            if self._asleep():
                 self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc(_begin_reload)
+            loaded: set[str] = set()
             for bucket in weights:
-                self.llm.collective_rpc(_load_bucket, args=(list(bucket),))
-            self.llm.collective_rpc(_finish_reload)
+                [names] = self.llm.collective_rpc(_load_bucket, args=(list(bucket),))
+                loaded |= names
+            [expected] = self.llm.collective_rpc(_finish_reload)
             self.llm.reset_prefix_cache()
+            if missing := sorted(expected - loaded):
+                raise ValueError(
+                    f"vLLM's model got no weights for {len(missing)} of its parameters (e.g. "
+                    f"{', '.join(missing[:3])}): the policy's weight names do not map onto "
+                    "vLLM's for this model; use rollout.engine=transformers"
+                )
         self.weight_version = version
 
+    def _asleep(self) -> bool:
+        """Whether vLLM sleeps (asked of vLLM, so that a sleep that failed half-way is not
+        taken for one that happened)."""
+        return self.cuda and self.settings.sleep and self.llm.llm_engine.is_sleeping()
+
     def _wake(self) -> None:
-        if self._asleep:
+        if self._asleep():
             self.llm.wake_up()
-            self._asleep = False
 
     def _rest(self) -> None:
         """CUDA with ``sleep``: frees the KV cache and offloads the weights until the next
         generation, so the update has the GPU's memory."""
         if self.cuda and self.settings.sleep:
             self.llm.sleep(level=1)
-            self._asleep = True
 
     def detached_copy(self) -> VLLMEngine:
         """Itself: vLLM holds weights of its own, which only ``load_weights`` changes."""

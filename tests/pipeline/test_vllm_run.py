@@ -5,6 +5,7 @@ shows (``rollout_mismatch/*``), and the settings it cannot honour are refused in
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -63,6 +64,20 @@ def test_every_step_logs_the_gap_and_vllm_follows_the_updates_and_a_resume(
         assert m["actor/grad_norm"] > 0
 
 
+def test_a_lora_policy_reaches_vllm_merged(tmp_path, vllm_model_dir, digit_reward):
+    """vLLM holds a plain model: each update's adapters arrive merged into the base weights
+    (at this learning rate the adapters move the logprobs by far more than the gap)."""
+    config = small_run_config(
+        vllm_model_dir,
+        digit_reward,
+        **VLLM | {"trainer.total_steps": 3, "model.lora_rank": 4, "trainer.lr": 3e-2},
+    )
+    train(config, tmp_path / "run", resume="never", log=NO_LOG)
+    steps = _steps(tmp_path / "run")
+    assert len(steps) == 3
+    assert all(m["rollout_mismatch/logprob_diff_max"] < GAP for m in steps), steps
+
+
 def test_embeddings_grown_for_a_pad_token_reach_vllm(tmp_path, vllm_model_dir, digit_reward):
     """A tokenizer without a pad token gets one and the policy an embedding row more than its
     directory holds: vLLM is built for the grown vocabulary and given the policy's weights."""
@@ -95,3 +110,13 @@ def test_what_vllm_cannot_do_is_refused_in_one_line(vllm_model_dir, micro_model_
     assert "R3" in refused(vllm_model_dir, **{"algorithm.routing_replay": "R3"})
     # the micro model's head size (16) has no kernel in vLLM's CPU attention
     assert "head sizes" in refused(micro_model_dir)
+
+
+def test_without_vllm_the_engine_is_one_line_naming_the_extra(
+    tmp_path, vllm_model_dir, monkeypatch
+):
+    from tests.test_cli import error_line, run_train
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without it imports
+    result = run_train(tmp_path, f"model.path={vllm_model_dir}", "rollout.engine=vllm")
+    assert '".[vllm]"' in error_line(result)

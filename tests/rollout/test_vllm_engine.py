@@ -15,7 +15,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from honing.models.loading import load_causal_lm, load_tokenizer, save_model  # noqa: E402
+from honing.models.loading import (  # noqa: E402
+    load_causal_lm,
+    load_tokenizer,
+    plain_weight_items,
+    save_model,
+)
 from honing.rollout.base import GenerationRequest, Holding, SamplingParams  # noqa: E402
 from honing.rollout.sampling import filter_logits  # noqa: E402
 from honing.rollout.transformers_engine import TransformersEngine, stop_token_ids  # noqa: E402
@@ -114,7 +119,8 @@ def _logprob_gap(engine, policy, tokenizer, seed: int, temperature: float = 0.8)
 def test_sampled_logprobs_match_the_trainer_after_every_update(model_dirs, family):
     """Three updates, each streamed in buckets of 64 KiB: after each, the logprob vLLM
     recorded for every sampled token is the trainer's for that token (the Llama ties its
-    output head to its embeddings and is sent its parameters, the tied one once)."""
+    output head to its embeddings; it is sent its parameters, the tied one once, and at the
+    second update its state as the trainer sends it, the tied one under both names)."""
     directory = model_dirs[family]
     tokenizer = load_tokenizer(directory)
     policy = load_causal_lm(directory, tokenizer, dtype="float32", device=torch.device("cpu"))
@@ -124,7 +130,11 @@ def test_sampled_logprobs_match_the_trainer_after_every_update(model_dirs, famil
         gaps = [_logprob_gap(engine, policy, tokenizer, seed=0)]
         for version in (1, 2, 3):
             _perturb(policy, seed=version)
-            engine.load_weights(version, _parameter_buckets(policy))
+            if version == 2:  # as the trainer sends them: the state, a tied weight twice
+                weights = buckets(plain_weight_items(policy), 64 << 10)
+            else:
+                weights = _parameter_buckets(policy)
+            engine.load_weights(version, weights)
             gaps.append(_logprob_gap(engine, policy, tokenizer, seed=version))
         print(f"{family}: largest logprob gap per version {[f'{g:.1e}' for g in gaps]}")
         assert max(gaps) < TOLERANCE, gaps
@@ -176,6 +186,12 @@ def test_a_call_s_samples_depend_on_its_seed_alone(llama):
     assert first == again
     assert first != other
     assert len(first) == 3 * len(requests)
+    # the same prompt twice in a call: two groups of their own, no sample's noise shared
+    twice = [requests[0], GenerationRequest("again", requests[0].prompt_ids, 1)]
+    params = SamplingParams(n=3, max_new_tokens=8, max_seq_len=64, temperature=1.5, seed=5)
+    rollouts = engine.generate(twice, params)
+    assert [r.response_ids for r in rollouts[:3]] != [r.response_ids for r in rollouts[3:]]
+    assert rollouts[1].response_ids != rollouts[3].response_ids  # sample 2 of 1 vs 1 of 2
 
 
 def test_the_logprob_is_the_filtered_distribution_s(llama):
@@ -212,3 +228,14 @@ def test_responses_end_at_a_stop_token_or_the_length_limits(llama):
             assert len(rollout.response_ids) == 5
     with pytest.raises(ValueError, match="rollout.max_seq_len"):
         engine.generate(requests[:1], SamplingParams(max_seq_len=width))
+
+
+def test_torch_threads_stay_the_trainer_s_to_set(llama):
+    """vLLM's CPU worker makes torch.set_num_threads a no-op; honing puts it back."""
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    try:
+        torch.set_num_threads(wanted)
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,88 @@
+"""``rollout.engine=auto``: vLLM in process where it is installed, takes the run's settings
+and is the faster engine for the model's size; honing's own engine otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from honing.config import build_config
+from honing.pipeline import engine_choice
+from honing.pipeline.engine_choice import VLLM_FROM_PARAMETERS, choose_engine
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def large_config_dir(tmp_path_factory):
+    """A model directory with only the config of a ~41M-parameter Llama (no weights: the
+    choice reads the config alone)."""
+    from transformers import LlamaConfig
+
+    directory = tmp_path_factory.mktemp("large")
+    LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ).save_pretrained(directory)
+    return directory
+
+
+def _chosen(path, world_size=1, **overrides):
+    said = []
+    config = build_config({"model.path": str(path)} | overrides)
+    chosen = choose_engine(config, world_size, log=said.append)
+    return chosen.rollout.engine, said
+
+
+def test_the_builtin_model_is_honing_s(large_config_dir):
+    engine, said = _chosen("builtin:tiny")
+    assert engine == "transformers" and said == []  # the default path says nothing
+    assert engine_choice.parameters(build_config({"model.path": str(large_config_dir)})) > (
+        VLLM_FROM_PARAMETERS
+    )
+
+
+@needs_vllm
+def test_a_large_model_is_vllm_s(large_config_dir):
+    engine, said = _chosen(large_config_dir)
+    assert engine == "vllm"
+    assert said == ["rollout.engine=auto: vllm (41M parameters: vLLM generates faster from 20M)"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "reason"),
+    [
+        ({"rollout.speculative": "ngram"}, 1, "rollout.speculative=ngram"),
+        ({"rollout.gen_timeout_s": 5.0}, 1, "rollout.gen_timeout_s"),
+        ({"algorithm.routing_replay": "R3"}, 1, "R3"),
+        ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
+        ({}, 2, "torchrun"),
+        ({"trainer.strategy": "fsdp"}, 1, "fsdp"),
+        ({"rollout.vllm_sleep": True, "schedule.mode": "async"}, 1, "vllm_sleep"),
+    ],
+)
+def test_settings_vllm_cannot_take_keep_honing_s_engine(
+    large_config_dir, overrides, world_size, reason
+):
+    engine, said = _chosen(large_config_dir, world_size, **overrides)
+    assert engine == "transformers"
+    assert reason in said[0]
+
+
+def test_without_vllm_installed_honing_s_engine_is_chosen(large_config_dir, monkeypatch):
+    monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name: None)
+    engine, said = _chosen(large_config_dir)
+    assert engine == "transformers" and ".[vllm]" in said[0]
+
+
+def test_an_explicit_engine_is_kept(large_config_dir):
+    for engine in ("transformers", "vllm", "openai"):
+        config = build_config({"model.path": str(large_config_dir), "rollout.engine": engine})
+        assert choose_engine(config, log=print) is config
