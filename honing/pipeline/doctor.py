@@ -28,6 +28,7 @@ from honing.config import Config
 from honing.errors import UserError
 from honing.monitor import RunLogger
 from honing.pipeline.components import build_components
+from honing.pipeline.engine_choice import choose_engine
 from honing.pipeline.inputs import build_scorer, check_ground_truths, load_datasets
 from honing.pipeline.loop import TrainLoop
 from honing.pipeline.rules import check_config
@@ -69,6 +70,7 @@ class _Skip(Exception):
 
 def run_doctor(config: Config, output_dir: Path) -> list[Check]:
     """Every check's row, in order (module docstring)."""
+    config = choose_engine(config, log=lambda message: None)  # the engine a run would take
     doctor = _Doctor(config, output_dir)
     state: dict[str, Any] = {}
     doctor.run("config", lambda: (check_config(config), "names and rules valid")[1])
