@@ -71,8 +71,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # auto: vllm where it is installed, takes the run's settings and is faster for the model
-    # (from 20M parameters), else transformers; transformers: honing's own, in process; vllm:
+    # auto: vllm on a GPU where it is installed, takes the run's settings and the policy has
+    # 20M parameters or more, else transformers; transformers: honing's own, in process; vllm:
     # vLLM's engine in process (pip install -e ".[vllm]"); openai: remote servers speaking the
     # OpenAI completions API with token ids and logprobs (vLLM, SGLang, honing serve rollout)
     engine: str = _opt("auto", choices=("auto", "transformers", "vllm", "openai"))

@@ -1,13 +1,17 @@
-"""``rollout.engine=auto`` (the default): vLLM in process where it is installed, can run the
-run's settings and is the faster engine for a model of this size; honing's own engine
+"""``rollout.engine=auto`` (the default): vLLM in process on a GPU where it is installed, can
+run the run's settings and the policy is large enough for it to pay; honing's own engine
 otherwise.
 
-Measured side by side on a 2-core CPU (benchmarks/results/vllm_speed.md): honing's engine
-generated about twice as fast as vLLM on a 0.87M-parameter model (vLLM's per-step scheduling
-costs more than such a model's arithmetic), vLLM was faster from ~40M parameters up, and its
-lead grows with the model (paged attention; on GPUs CUDA graphs). The choice is made once,
-before the run's config is checked; where the model is large enough for vLLM it is said in
-one line (below that, honing's engine is taken without a word).
+Measured side by side on a 2-core CPU (benchmarks/results/vllm_speed.md, vllm_step.md):
+honing's engine generated about twice as fast as vLLM on a 0.87M-parameter model (vLLM's
+per-step scheduling costs more than such a model's arithmetic); vLLM generated faster from
+~40M parameters up (2.2-2.7x at 0.5B). But an engine with weights of its own costs the trainer
+a logprob pass per batch (the engine/trainer gap is logged every step), and on a CPU that
+forward pass costs more than vLLM saves: a step of the ~47M model took 32.8 s with vLLM
+against 29.0 s with honing's engine. On a GPU generation is most of a step and vLLM's lead is
+larger (paged attention, CUDA graphs), so there it is taken from 20M parameters. The choice is
+made once, before the run's config is checked; for a model that large it is said in one line
+(below that, honing's engine is taken without a word).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
     if count is None or count < VLLM_FROM_PARAMETERS:
         return "transformers", ""  # honing's is the faster engine (or the load will say why)
     size = f"{count / 1e6:.0f}M parameters"
+    if device_type(config) != "cuda":
+        return "transformers", f"{size}; on a CPU honing's engine trains faster per step"
     rollout, algo = config.rollout, config.algorithm
     blocked = (
         (world_size > 1, "torchrun ranks"),
@@ -60,7 +66,7 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
     problem = _model_problem(config)
     if problem is not None:
         return "transformers", f"{size}; {problem}"
-    return "vllm", f"{size}: vLLM generates faster from {VLLM_FROM_PARAMETERS // 10**6}M"
+    return "vllm", f"{size}: on a GPU vLLM pays from {VLLM_FROM_PARAMETERS // 10**6}M"
 
 
 def parameters(config: Config) -> int | None:
@@ -86,13 +92,19 @@ def parameters(config: Config) -> int | None:
         return None
 
 
+def device_type(config: Config) -> str:
+    """Where the policy runs: ``cuda`` or ``cpu`` (``model.device``, ``auto`` resolved)."""
+    from honing.models.loading import resolve_device
+
+    return resolve_device(config.model.device).type
+
+
 def _model_problem(config: Config) -> str | None:
     from transformers import AutoConfig
 
-    from honing.models.loading import resolve_device
     from honing.rollout.vllm_engine import model_problem
 
     model_config = AutoConfig.from_pretrained(
         config.model.path, trust_remote_code=config.model.trust_remote_code
     )
-    return model_problem(model_config, resolve_device(config.model.device).type)
+    return model_problem(model_config, device_type(config))

@@ -18,7 +18,7 @@ needs_vllm = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def large_config_dir(tmp_path_factory):
-    """A model directory with only the config of a ~41M-parameter Llama (no weights: the
+    """A model directory with only the config of a ~57M-parameter Llama (no weights: the
     choice reads the config alone)."""
     from transformers import LlamaConfig
 
@@ -32,6 +32,12 @@ def large_config_dir(tmp_path_factory):
         num_key_value_heads=2,
     ).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The choice as it is made on a GPU machine (the policy's device is CUDA)."""
+    monkeypatch.setattr(engine_choice, "device_type", lambda config: "cuda")
 
 
 def _chosen(path, world_size=1, **overrides):
@@ -49,11 +55,22 @@ def test_the_builtin_model_is_honing_s(large_config_dir):
     )
 
 
+def test_on_a_cpu_a_large_model_is_honing_s_too(large_config_dir):
+    """On a CPU the logprob pass an engine of its own costs the trainer outweighs what vLLM
+    saves in generation (benchmarks/results/vllm_step.md)."""
+    engine, said = _chosen(large_config_dir, **{"model.device": "cpu"})
+    assert engine == "transformers"
+    assert said == [
+        "rollout.engine=auto: transformers (57M parameters; on a CPU honing's engine trains "
+        "faster per step)"
+    ]
+
+
 @needs_vllm
-def test_a_large_model_is_vllm_s(large_config_dir):
+def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
     engine, said = _chosen(large_config_dir)
     assert engine == "vllm"
-    assert said == ["rollout.engine=auto: vllm (41M parameters: vLLM generates faster from 20M)"]
+    assert said == ["rollout.engine=auto: vllm (57M parameters: on a GPU vLLM pays from 20M)"]
 
 
 @pytest.mark.parametrize(
@@ -69,14 +86,14 @@ def test_a_large_model_is_vllm_s(large_config_dir):
     ],
 )
 def test_settings_vllm_cannot_take_keep_honing_s_engine(
-    large_config_dir, overrides, world_size, reason
+    large_config_dir, on_cuda, overrides, world_size, reason
 ):
     engine, said = _chosen(large_config_dir, world_size, **overrides)
     assert engine == "transformers"
     assert reason in said[0]
 
 
-def test_without_vllm_installed_honing_s_engine_is_chosen(large_config_dir, monkeypatch):
+def test_without_vllm_installed_honing_s_engine_is_chosen(large_config_dir, on_cuda, monkeypatch):
     monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name: None)
     engine, said = _chosen(large_config_dir)
     assert engine == "transformers" and ".[vllm]" in said[0]
