@@ -53,7 +53,8 @@ def _perturb(policy) -> None:
 
 def _measure(engine, policy, tokenizer, device) -> dict:
     """tokens/s of one call, then a sync of the perturbed policy and the logprob gap after."""
-    params = SamplingParams(n=8, max_new_tokens=TOKENS, max_seq_len=TOKENS + 32, seed=1)
+    limit = min(TOKENS + 32, policy.config.max_position_embeddings)
+    params = SamplingParams(n=8, max_new_tokens=TOKENS, max_seq_len=limit, seed=1)
     engine.generate(_requests(tokenizer), params)  # warm-up
     started = time.perf_counter()
     rollouts = engine.generate(_requests(tokenizer), params)
@@ -90,7 +91,7 @@ def colocated(model_dir: Path, device: torch.device) -> dict:
         model_dir,
         tokenizer,
         stop_ids={tokenizer.eos_token_id},
-        max_seq_len=TOKENS + 32,
+        max_seq_len=min(TOKENS + 32, policy.config.max_position_embeddings),
         settings=settings,
         device_type=device.type,
         weights=buckets(plain_weight_items(policy), BUCKET_BYTES),

@@ -432,7 +432,11 @@ def vllm_engine(
             model_dir,
             local.tokenizer,
             stop_ids=local.stop_ids,
-            max_seq_len=rollout.max_seq_len,
+            # vLLM refuses a length past the model's positions (honing's engine stops there)
+            max_seq_len=min(
+                rollout.max_seq_len,
+                getattr(policy.config, "max_position_embeddings", None) or rollout.max_seq_len,
+            ),
             settings=settings,
             device_type=device.type,
             weights=trainer.weights(plain_weight_items),

@@ -232,7 +232,8 @@ class VLLMEngine(RolloutEngine):
         flat = [r for r in requests for _ in range(copies)]
         prompts, sampling = [], []
         for index, r in enumerate(flat):
-            budget = min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids))
+            limit = min(params.max_seq_len, self.max_seq_len)
+            budget = min(params.max_new_tokens, limit - len(r.prompt_ids))
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
             seed = request_seed(params.seed, index, n)
             sampling.append(_vllm_sampling(params, budget, seed, self.stop_ids, n))

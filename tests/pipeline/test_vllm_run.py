@@ -87,9 +87,9 @@ def test_embeddings_grown_for_a_pad_token_reach_vllm(tmp_path, vllm_model_dir, d
     model = load_causal_lm(vllm_model_dir, tokenizer, dtype="float32", device=torch.device("cpu"))
     tokenizer.pad_token = tokenizer.eos_token  # as many base models ship: no pad token
     save_model(model, tokenizer, tmp_path / "no-pad")
-    config = small_run_config(
-        tmp_path / "no-pad", digit_reward, **VLLM | {"trainer.total_steps": 2}
-    )
+    # and a rollout.max_seq_len past the model's 64 positions, which vLLM would refuse
+    overrides = VLLM | {"trainer.total_steps": 2, "rollout.max_seq_len": 512}
+    config = small_run_config(tmp_path / "no-pad", digit_reward, **overrides)
     train(config, tmp_path / "run", resume="never", log=NO_LOG)
     steps = _steps(tmp_path / "run")
     assert len(steps) == 2
