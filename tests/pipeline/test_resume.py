@@ -6,6 +6,7 @@ checkpoint retention.
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,8 +136,10 @@ def test_run_directory_layout_and_retention(micro_model_dir, digit_reward, tmp_p
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "events.jsonl", "summary.json"):
         assert (run_dir / name).is_file(), name
     assert any((run_dir / "tensorboard").iterdir())
-    # The resolved config is written in full and reproduces the run's config.
-    assert build_config(load_yaml(run_dir / "config.yaml")) == config
+    # The resolved config is written in full and reproduces the run's config, with the engine
+    # rollout.engine=auto chose (honing's own, for this model) in place of auto.
+    chosen = replace(config, rollout=replace(config.rollout, engine="transformers"))
+    assert build_config(load_yaml(run_dir / "config.yaml")) == chosen
     # keep=2: of the checkpoints at steps 1, 2 and 3 only the newest two remain.
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_2", "step_3"]
