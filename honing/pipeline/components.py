@@ -443,7 +443,12 @@ def vllm_engine(
             vocab_size=policy.get_input_embeddings().weight.shape[0],
         )
     except ValueError as err:  # the policy's weights do not fit vLLM's model
-        raise ConfigError(f"rollout.engine=vllm: {str(err).splitlines()[0]}") from None
+        why = str(err).splitlines()[0].split(". ")[0].rstrip(".")
+        if "rollout.engine=transformers" not in why:
+            why = f"vLLM's model does not take the policy's weights ({why}); use " + (
+                "rollout.engine=transformers"
+            )
+        raise ConfigError(f"rollout.engine=vllm: {why}") from None
 
 
 def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):

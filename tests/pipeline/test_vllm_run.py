@@ -112,6 +112,24 @@ def test_what_vllm_cannot_do_is_refused_in_one_line(vllm_model_dir, micro_model_
     assert "head sizes" in refused(micro_model_dir)
 
 
+def test_a_family_whose_weight_names_vllm_does_not_map_is_one_line(tmp_path, digit_reward):
+    """transformers renames Mixtral's block_sparse_moe to mlp when it loads, which vLLM's
+    Mixtral does not map back: a ConfigError naming the engine to use, before any step."""
+    from honing.models.loading import save_model
+    from honing.models.tiny import build_tokenizer
+    from tests.models.moe_models import moe_model
+
+    tokenizer = build_tokenizer()
+    heads = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2}
+    model = moe_model("mixtral", len(tokenizer), tokenizer.pad_token_id, **heads)
+    save_model(model, tokenizer, tmp_path / "mixtral")
+    config = small_run_config(tmp_path / "mixtral", digit_reward, **VLLM)
+    with pytest.raises(ConfigError) as caught:
+        train(config, tmp_path / "run", resume="never", log=NO_LOG)
+    message = str(caught.value)
+    assert "\n" not in message and message.endswith("use rollout.engine=transformers"), message
+
+
 def test_without_vllm_the_engine_is_one_line_naming_the_extra(
     tmp_path, vllm_model_dir, monkeypatch
 ):
