@@ -11,6 +11,8 @@ flag or variable to set.
   token sampled with ``top_k=1``, whose processed logprob is exactly 0 (a one-token
   distribution); a raw logprob is the model's own, below 0 unless the model is certain of
   that token to float precision (the one case the probe cannot tell apart).
+- Paused: a server a trainer left paused in the middle of a weight update (its RL API's
+  ``GET /is_paused``, in dev mode) holds every request and may hold part-new weights.
 - Weights: ``rollout.weight_sync=vllm`` needs vLLM's RL API (``VLLM_SERVER_DEV_MODE=1``) and
   a weight-transfer backend honing speaks (``--weight-transfer-config``, read from
   ``GET /server_info``); ``tensors`` and ``disk`` are honing's and SGLang's endpoints, which
@@ -51,6 +53,7 @@ def check_vllm_server(
             f"through its RL API: set rollout.weight_sync=vllm (and start it with "
             f"VLLM_SERVER_DEV_MODE=1 and {LAUNCH}), or none"
         )
+    _not_paused(ask, url, token)
     probe_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     missing = [] if _processed_logprobs(ask, url, token, model, probe_ids) else [PROCESSED]
     if weight_sync == "vllm":
@@ -73,6 +76,17 @@ def refuse_other_server(url: str) -> None:
         f"rollout.weight_sync=vllm: {url} is not a vLLM server; use rollout.weight_sync="
         "tensors for honing serve rollout, disk for SGLang"
     )
+
+
+def _not_paused(ask: Ask, url: str, token: str) -> None:
+    """A server left paused (a trainer that stopped in the middle of a weight update leaves
+    it so, its weights part old, part new) would hold every request: refused at once."""
+    answer = ask("GET", url, "/is_paused", token)
+    if answer.status_code == 200 and answer.json().get("is_paused"):
+        raise ConfigError(
+            f"rollout.endpoints: {url} is paused (a weight update was left unfinished, so its "
+            "weights may be part old, part new): restart it"
+        )
 
 
 def _processed_logprobs(ask: Ask, url: str, token: str, model: str, probe_ids: list) -> bool:

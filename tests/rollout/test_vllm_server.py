@@ -186,6 +186,17 @@ def test_weights_through_the_rl_api_give_the_trainers_logprobs(
     engine.close()
 
 
+def test_a_server_left_paused_is_refused_at_once(server, tokenizer):
+    """A trainer that stopped in the middle of a sync leaves the server paused: every request
+    would wait on it, so the start-up check refuses it before any."""
+    httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+    try:
+        with pytest.raises(ConfigError, match="is paused"):
+            engine_on(server, tokenizer, "vllm")
+    finally:
+        httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
+
+
 def test_training_samples_from_the_server_and_sends_it_each_version(
     server, vllm_model_dir, digit_reward, tmp_path, run_config
 ):
