@@ -63,9 +63,6 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
 
     if (problem := vllm_available()) is not None:  # installed, but it does not import
         return "transformers", f"{size}; {problem}"
-    problem = _model_problem(config)
-    if problem is not None:
-        return "transformers", f"{size}; {problem}"
     return "vllm", f"{size}: on a GPU vLLM pays from {VLLM_FROM_PARAMETERS // 10**6}M"
 
 
@@ -97,14 +94,3 @@ def device_type(config: Config) -> str:
     from honing.models.loading import resolve_device
 
     return resolve_device(config.model.device).type
-
-
-def _model_problem(config: Config) -> str | None:
-    from transformers import AutoConfig
-
-    from honing.rollout.vllm_engine import model_problem
-
-    model_config = AutoConfig.from_pretrained(
-        config.model.path, trust_remote_code=config.model.trust_remote_code
-    )
-    return model_problem(model_config, device_type(config))

@@ -28,7 +28,7 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.vllm_weights import redo_cpu_expert_packing, refresh_tied_head
+from honing.rollout.vllm_weights import begin_reload, finish_reload, load_pieces
 from honing.seeds import request_seed
 from honing.types import Rollout
 
@@ -85,38 +85,29 @@ def model_problem(model_config, device_type: str) -> str | None:
 
 
 def _begin_reload(worker) -> None:
-    """In vLLM's worker: the model's layers wait for their new tensors (layerwise reload)."""
+    """In vLLM's worker: ``vllm_weights.begin_reload``."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):
-        redo_cpu_expert_packing(model)
-        initialize_layerwise_reload(model)
+        begin_reload(worker.model_runner.model)
 
 
 def _load_bucket(worker, bucket: list) -> set[str]:
-    """In vLLM's worker: one bucket of (name, tensor) pieces into the model; a layer is
-    processed (repacked for its kernels) as soon as all its tensors have come. Returns the
-    names of the model's parameters it loaded."""
+    """In vLLM's worker: ``vllm_weights.load_pieces`` (the parameter names loaded)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-    with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
-        return set(worker.model_runner.model.load_weights(bucket) or ())
+    with set_current_vllm_config(worker.vllm_config):
+        return load_pieces(worker.model_runner.model, bucket)
 
 
 def _finish_reload(worker) -> set[str]:
-    """In vLLM's worker: the layers that got nothing keep their tensors; a tied output head
-    is repacked with the new embeddings (``refresh_tied_head``). Returns the names of the
-    model's parameters (a tied one once)."""
+    """In vLLM's worker: ``vllm_weights.finish_reload``; returns the names of the model's
+    parameters (a tied one once)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(model, worker.vllm_config.model_config)
-        refresh_tied_head(model)
+        finish_reload(model, worker.vllm_config.model_config)
     return {name for name, _ in model.named_parameters()}
 
 

@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from honing.rollout.vllm_weights import read_bucket, redo_cpu_expert_packing, refresh_tied_head
+from honing.rollout.vllm_weights import begin_reload, finish_reload, load_pieces, read_bucket
 
 
 @dataclass
@@ -43,10 +43,7 @@ class SharedMemoryTransfer(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo
         pass
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        redo_cpu_expert_packing(self.model)
-        initialize_layerwise_reload(self.model)
+        begin_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
         """The base class's, without its ``torch.accelerator.synchronize()`` (which raises
@@ -54,19 +51,10 @@ class SharedMemoryTransfer(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: BucketUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
-        weights = read_bucket(update_info.path)
-        with disable_mtp_completeness_check():
-            self.model.load_weights(weights)
+        load_pieces(self.model, read_bucket(update_info.path))
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_head(self.model)
+        finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         pass

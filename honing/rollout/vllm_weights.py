@@ -109,3 +109,30 @@ def redo_cpu_expert_packing(model) -> None:
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None
+
+
+def begin_reload(model) -> None:
+    """The start of a weight update in place: vLLM's layerwise reload set up (each layer
+    processed once all its tensors have come), with the CPU expert packing redone."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    redo_cpu_expert_packing(model)
+    initialize_layerwise_reload(model)
+
+
+def load_pieces(model, pieces: list) -> set[str]:
+    """One bucket's (name, tensor) pieces into ``model`` during an update; returns the names
+    of its parameters they loaded."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with disable_mtp_completeness_check():
+        return set(model.load_weights(pieces) or ())
+
+
+def finish_reload(model, model_config) -> None:
+    """The end of an update: layers that got nothing keep their tensors, and a tied output
+    head is repacked with the new embeddings (``refresh_tied_head``)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    refresh_tied_head(model)
