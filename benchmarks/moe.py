@@ -115,8 +115,10 @@ def paired(args) -> dict:
     from honing.config import build_config
     from honing.data.arithmetic import arithmetic_prompts
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.models.moe import RouterStats, host_sums, moe_metrics, routers_of
-    from honing.pipeline.components import resolve_model_path
+    from honing.models.moe import routers_of
+    from honing.models.moe_stats import RouterStats, host_sums, moe_metrics
+    from honing.models.tiny import TINY_MOE
+    from honing.pipeline.components import builtin_tiny_model, cache_dir, resolve_model_path
     from honing.rollout.base import GenerationRequest, SamplingParams
     from honing.rollout.transformers_engine import TransformersEngine
     from honing.trainer.batch import RouterTap, collate, response_logprobs
@@ -126,7 +128,11 @@ def paired(args) -> dict:
 
     torch.manual_seed(0)
     config = build_config({"model.path": "builtin:tiny-moe"})
-    path = resolve_model_path(config)
+    if args.family == "qwen3_moe":
+        path = resolve_model_path(config)
+    else:  # the same shape and warm start in another family's architecture
+        spec = dataclasses.replace(TINY_MOE, family=args.family)
+        path = builtin_tiny_model(cache_dir(config), spec=spec)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, tokenizer, dtype="float32", device="cpu")
     routers = routers_of(model)
@@ -325,6 +331,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument(
+        "--family",
+        choices=("qwen3_moe", "gpt_oss"),
+        default="qwen3_moe",
+        help="paired: builtin:tiny-moe's architecture (gpt_oss: the same shape and warm start)",
+    )
+    parser.add_argument(
         "--off-policy", action="store_true", help="learn: 2 mini-batches x 2 epochs per batch"
     )
     args = parser.parse_args()
@@ -335,21 +347,25 @@ def main() -> None:
     )
     options = {
         "replay": f"--steps {args.steps}",
-        "paired": f"--batches {args.batches}",
+        "paired": f"--batches {args.batches}"
+        + (f" --family {args.family}" if args.family != "qwen3_moe" else ""),
         "learn": (f"--steps {args.steps}" if args.steps else "")
         + (" --off-policy" if args.off_policy else ""),
         "speed": f"--steps {args.steps} --rounds {args.rounds}",
     }[args.command]
     result |= {
         "command": " ".join(f"python -m benchmarks.moe {args.command} {options}".split()),
-        "config": CONFIG,
+        "config": CONFIG
+        if args.family == "qwen3_moe"
+        else f"builtin:tiny-moe's shape and warm start, as {args.family}",
         "machine": f"{cpu_model()}, {os.cpu_count()} cores",
         "seconds": round(time.perf_counter() - started, 1),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"moe_{args.command}" + ("_off_policy" if args.off_policy else "")
+    name += f"_{args.family}" if args.family != "qwen3_moe" else ""
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-    header = f"`{result['command']}` on {result['machine']} ({CONFIG}, one seed)\n\n"
+    header = f"`{result['command']}` on {result['machine']} ({result['config']}, one seed)\n\n"
     (RESULTS / f"{name}.md").write_text(header + "\n".join(result["table"]) + "\n")
     print("\n".join(result["table"]))
 

@@ -172,13 +172,15 @@ def check_lora_targets(model, targets: list[str]) -> None:
     change; so are its experts, whose fused 3-D weights PEFT cannot adapt by module name."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
 
-    from honing.models.llama_block import is_moe_block
+    from honing.models.moe import routers_of
 
     moe: dict[int, str] = {}
-    for module in model.modules():
-        if is_moe_block(module):
-            moe[id(module.gate)] = "a mixture-of-experts router"
-            moe[id(module.experts)] = "mixture-of-experts experts held as fused 3-D weights"
+    routers = routers_of(model)
+    for router, block in zip(routers.routers, routers.blocks, strict=True) if routers else ():
+        moe[id(router)] = "a mixture-of-experts router"
+        for module in router.modules():  # a router's own linear layer (DBRX's router.layer)
+            moe.setdefault(id(module), "a mixture-of-experts router's layer")
+        moe[id(block.experts)] = "mixture-of-experts experts held as fused 3-D weights"
     by_name: dict[str, list[torch.nn.Module]] = {}
     for name, module in model.named_modules():
         by_name.setdefault(name.rsplit(".", 1)[-1], []).append(module)

@@ -1,19 +1,21 @@
 """Mixture-of-experts causal LMs: their top-k routers, what the routers chose, and the replay
 of a recorded choice (routing replay), in one place for every family.
 
-transformers' MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 and others of
-that kind) share one interface: a decoder layer's MoE block has a router module ``gate``
-whose forward maps the hidden states to ``(router_logits [N, E], weights [N, k],
-experts [N, k])``, and an ``experts`` module that mixes the chosen experts' outputs with
-those weights. honing reads and steers routing through forward hooks on the routers, so the
-model's own forward, the lean decode step and the packed logprob pass all route the same way.
+A decoder layer of a transformers MoE family holds an MoE block: a module with an ``experts``
+child and a router child (``gate``, ``router``, ...) whose forward maps the hidden states to
+its logits and the experts chosen for each token with their mixing weights. The block sits
+where the family puts it (``mlp``, ``block_sparse_moe``, ``feed_forward``, ``mixer``, the
+layer itself) and the layers where the model keeps them (``model.layers``,
+``transformer.blocks``), so discovery walks the model for such blocks rather than follow one
+naming habit. How a family's router output carries its choice, and what cannot be replayed
+exactly, is that family's adapter (``honing.models.moe_families``); the loop knows nothing of
+them.
 
-Replaying a choice keeps the chosen experts and recomputes the mixing weights from the live
-router logits, so the router still gets gradients. How a router turns logits into weights is
-found, per router, by trying the known recipes on one of its own outputs and keeping the one
-that reproduces it exactly: a softmax over the experts or per-expert sigmoid scores
-(DeepSeek-V3), the top-k renormalised or not, a scaling factor, cast back to the logits'
-dtype or not. A router none of them reproduces cannot be replayed, and the run says so.
+honing reads and steers routing through forward hooks on the routers, so the model's own
+forward, the lean decode step and the packed logprob pass all route the same way. Replaying a
+choice keeps the chosen experts and recomputes the mixing weights from the live router logits
+by the router's own recipe (``honing.models.moe_mixing``), so the router still gets
+gradients.
 """
 
 from __future__ import annotations
@@ -21,56 +23,18 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass, field
-from itertools import product
 
 import torch
 from torch import nn
+from transformers import __version__ as _transformers_version
 
-from honing.models.llama_block import is_moe_block, unwrap
+from honing.models.llama_block import unwrap
+from honing.models.moe_families import Family, family_of, flat_tokens
+from honing.models.moe_mixing import Mixing, find_mixing
+from honing.models.moe_stats import RouterStats
 
-
-@dataclass(frozen=True)
-class Mixing:
-    """One recipe for a router's mixing weights from its logits and chosen experts."""
-
-    score: str  # softmax | sigmoid
-    normalise: bool
-    eps: float  # added to the sum when normalising (DeepSeek-V3: 1e-20)
-    scale: float  # multiplies the weights (DeepSeek-V3's routed_scaling_factor)
-    cast: bool  # weights cast back to the logits' dtype
-
-    def weights(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        scores = logits.float()
-        scores = scores.softmax(-1) if self.score == "softmax" else scores.sigmoid()
-        weights = scores.gather(-1, experts)
-        if self.normalise:
-            weights = weights / (weights.sum(-1, keepdim=True) + self.eps)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        return weights.to(logits.dtype) if self.cast else weights
-
-
-def _recipes(router: nn.Module) -> list[Mixing]:
-    scale = float(getattr(router, "routed_scaling_factor", 1.0) or 1.0)
-    norm = getattr(router, "norm_topk_prob", None)
-    norms = (True, False) if norm is None else (bool(norm),)
-    return [
-        Mixing(score, normalise, eps, scale if score == "sigmoid" else 1.0, cast)
-        for score, normalise, eps, cast in product(
-            ("softmax", "sigmoid"), norms, (0.0, 1e-20), (True, False)
-        )
-    ]
-
-
-def find_mixing(router: nn.Module, output) -> Mixing | None:
-    """The recipe that reproduces ``output`` (a call's ``(logits, weights, experts)``) of
-    ``router`` exactly, or None."""
-    logits, weights, experts = output
-    for recipe in _recipes(router):
-        mine = recipe.weights(logits.detach(), experts)
-        if mine.dtype == weights.dtype and torch.equal(mine, weights.detach()):
-            return recipe
-    return None
+PROBE_TOKENS = 16  # the forward check_replay runs
+PROBE_SIZES = 40  # the router's own calls it runs after, of 1 to 40 tokens
 
 
 @dataclass
@@ -80,10 +44,12 @@ class Routers:
     Attributes:
         model: the transformers model (inside its LoRA wrapper, if any).
         routers: each MoE block's router module.
-        blocks: the MoE blocks themselves (``layer.mlp``).
+        blocks: the MoE blocks themselves.
         layer_numbers: the decoder layer of each router (dense layers have none).
         num_experts, top_k: of the routers (the same in every layer).
-        family: ``config.model_type``.
+        null_experts: slots after the experts a router may choose that compute nothing
+            (zero experts, a skip expert), counted in the loads as what they are.
+        family: ``config.model_type``; ``adapter``: how honing reads its routers.
     """
 
     model: nn.Module
@@ -93,6 +59,8 @@ class Routers:
     num_experts: int
     top_k: int
     family: str
+    adapter: Family
+    null_experts: int = 0
     # each router's recipe, by (router number, logits dtype): found on its first output
     mixing: dict[tuple[int, torch.dtype], Mixing | None] = field(default_factory=dict)
 
@@ -101,9 +69,13 @@ class Routers:
         return len(self.routers)
 
     @property
+    def slots(self) -> int:
+        return self.num_experts + self.null_experts
+
+    @property
     def index_dtype(self) -> torch.dtype:
-        """The smallest integer dtype that holds an expert number (and -1: not recorded)."""
-        return torch.int8 if self.num_experts <= 127 else torch.int16
+        """The smallest integer dtype that holds a slot number (and -1: not recorded)."""
+        return torch.int8 if self.slots <= 127 else torch.int16
 
     def session(self, **options) -> RoutingSession:
         return RoutingSession(self, **options)
@@ -114,29 +86,99 @@ class Routers:
         module = sys.modules.get(type(self.model).__module__)
         return getattr(module, "load_balancing_loss_func", None)
 
+    def mixing_of(self, number: int, *calls) -> Mixing | None:
+        """The recipe of router ``number``, found on ``calls`` (its ``(logits, weights,
+        experts)``) the first time their logits' dtype is seen."""
+        key = (number, calls[0][0].dtype)
+        if key not in self.mixing:
+            router, block = self.routers[number], self.blocks[number]
+            candidates = self.adapter.recipes(router, block, self.model.config)
+            self.mixing[key] = find_mixing(candidates, *calls)
+        return self.mixing[key]
+
     def check_replay(self) -> str | None:
-        """None when every router's weights can be recomputed for replayed experts, else why
-        not (a probe input through each router; a sharded router is checked at its first
-        call instead)."""
+        """None when every router's choice can be replayed exactly, else why not: the
+        family's adapter refuses it, a router runs other than once per forward, or no recipe
+        recomputes its weights. Checked on a forward of a few tokens (a sharded model is
+        checked at its first call instead)."""
         from torch.distributed.fsdp import FSDPModule
 
+        if self.adapter.refused:
+            return f"the {self.family} family {self.adapter.refused}"
         if isinstance(self.model, FSDPModule):
             return None
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        device = next(self.model.parameters()).device
+        training = self.model.training
+        self.model.eval()  # some families jitter their routers' input in training mode
+        try:
+            with torch.no_grad(), self.session(probe=True) as session:
+                self.model(input_ids=(torch.arange(PROBE_TOKENS, device=device) % vocab)[None])
+        finally:
+            self.model.train(training)
         for number, router in enumerate(self.routers):
-            weight = next(router.parameters())
-            probe = torch.randn(
-                4, weight.shape[-1], generator=torch.Generator().manual_seed(number)
-            ).to(weight.device, weight.dtype)
-            with torch.no_grad():
-                output = router(probe)
-            key = (number, output[0].dtype)
-            self.mixing[key] = find_mixing(router, output)
-            if self.mixing[key] is None:
+            where = (
+                f"the {self.family} family's router {type(router).__name__} (layer "
+                f"{self.layer_numbers[number]})"
+            )
+            calls = session.seen[number]
+            if number in session.unread:
                 return (
-                    f"the router {type(router).__name__} (layer {self.layer_numbers[number]}) "
-                    "mixes experts in a way honing cannot recompute for replayed experts"
+                    f"{where} returns no top-k choice with its logits that honing "
+                    f"reads in transformers {_transformers_version}"
+                )
+            if len(calls) != 1:
+                return (
+                    f"{where} runs {len(calls)} times per forward pass; a recorded choice "
+                    "holds one call per layer"
+                )
+            if self.adapter.hashed(router):
+                continue
+            if session.inputs[number]:  # the router chooses: more calls of other sizes
+                calls += self._calls_of_sizes(router, *session.inputs[number][0])
+            if self.mixing_of(number, *calls) is None:
+                return (
+                    f"{where} mixes experts in a way honing cannot recompute for replayed experts"
                 )
         return None
+
+    def _calls_of_sizes(self, router: nn.Module, args: tuple, kwargs: dict) -> list[tuple]:
+        """``router``'s ``(logits, weights, experts)`` on random hidden states of 1 to
+        ``PROBE_SIZES`` tokens (its other inputs as the forward gave them): a recipe that
+        equals the router's arithmetic only on some tensor sizes (a vectorised kernel rounds
+        an element differently in a loop's tail) shows itself on one of them."""
+        hidden = args[0]
+        lead = hidden.shape[:-1]
+        generator = torch.Generator(device=hidden.device).manual_seed(0)
+        calls = []
+
+        def resized(value, tokens: int):
+            """A random stand-in of ``tokens`` tokens for a float input shaped per token."""
+            if not isinstance(value, torch.Tensor) or value.shape[:-1] != lead:
+                return value
+            shape = (*[1] * (value.dim() - 2), tokens, value.shape[-1])
+            x = torch.randn(shape, generator=generator, device=value.device)
+            return x.to(value.dtype)
+
+        with torch.no_grad():
+            for tokens in range(1, PROBE_SIZES + 1):
+                output = router(
+                    *(resized(a, tokens) for a in args),
+                    **{k: resized(v, tokens) for k, v in kwargs.items()},
+                )
+                calls.append(self.adapter.form.read(output, self.top_k))
+        return calls
+
+
+def _choice_like(index, weights) -> bool:
+    """An experts call's ``(top_k_index, top_k_weights)``: integers and floats, one shape."""
+    return (
+        isinstance(index, torch.Tensor)
+        and isinstance(weights, torch.Tensor)
+        and not index.is_floating_point()
+        and weights.is_floating_point()
+        and index.shape == weights.shape
+    )
 
 
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -146,99 +188,42 @@ def routers_of(model: nn.Module) -> Routers | None:
     """The ``Routers`` of ``model`` (a transformers causal LM, maybe in a LoRA wrapper), or
     None for a dense model. Found once per module."""
     base = unwrap(model)
-    if base in _FOUND:
-        return _FOUND[base]
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    found = None
-    if isinstance(layers, nn.ModuleList):
-        blocks, numbers = [], []
-        for number, layer in enumerate(layers):
-            block = next((m for m in layer.children() if is_moe_block(m)), None)
-            if block is not None:
-                blocks.append(block)
-                numbers.append(number)
-        if blocks:
-            routers = [block.gate for block in blocks]
-            experts = {
-                int(getattr(r, "num_experts", 0) or getattr(b.experts, "num_experts", 0))
-                for r, b in zip(routers, blocks, strict=True)
-            }
-            found = Routers(
-                model=base,
-                routers=routers,
-                blocks=blocks,
-                layer_numbers=numbers,
-                num_experts=max(experts),
-                top_k=routers[0].top_k,
-                family=str(getattr(base.config, "model_type", type(base).__name__)),
-            )
-    _FOUND[base] = found
-    return found
+    if base not in _FOUND:
+        _FOUND[base] = _find(base)
+    return _FOUND[base]
 
 
-@dataclass
-class RouterStats:
-    """Sums over the tokens a session saw, per MoE layer: expert loads, router entropy, and
-    decisions that matched a reference choice. Tensors (no host sync) until ``metrics``."""
-
-    load: torch.Tensor | None = None  # [L, E] tokens routed to each expert
-    entropy: torch.Tensor | None = None  # [L] summed router entropy
-    tokens: torch.Tensor | None = None  # [L] tokens counted
-    matched: torch.Tensor | None = None  # [L] decisions equal to the reference's
-    compared: torch.Tensor | None = None  # [L] decisions with a reference
-
-    def sums(self) -> dict[str, torch.Tensor]:
-        """Flat named scalars (for a sum across processes); ``host_sums`` reads them."""
-        out = {}
-        for name in ("load", "entropy", "tokens", "matched", "compared"):
-            value = getattr(self, name)
-            if value is not None:
-                for i, x in enumerate(value.reshape(-1)):
-                    out[f"{name}/{i}"] = x
-        return out
-
-
-def host_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``RouterStats.sums`` (summed across processes or not) as floats, read from the device
-    in one transfer rather than one per expert and layer."""
-    names = list(sums)
-    if not names:
-        return {}
-    values = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64) for name in names])
-    return dict(zip(names, values.tolist(), strict=True))
-
-
-def moe_metrics(sums: dict[str, float], layers: int, experts: int) -> dict[str, float]:
-    """``moe/...`` metrics from ``RouterStats.sums`` (summed over processes): per layer and
-    over layers, the load violation (the busiest expert's share of the routed decisions x
-    experts - 1: 0 when balanced), the router entropy (nats, mean per token) and the share of
-    decisions whose expert set matched the reference's (the rollout's)."""
-    if not sums:
-        return {}
-    out: dict[str, float] = {}
-    violations, entropies = [], []
-    for layer in range(layers):
-        load = [sums.get(f"load/{layer * experts + e}", 0.0) for e in range(experts)]
-        total = sum(load)
-        tokens = sums.get(f"tokens/{layer}", 0.0)
-        if total > 0:
-            violation = max(load) / total * experts - 1
-            violations.append(violation)
-            out[f"moe/layer{layer}/load_violation"] = violation
-        if tokens > 0:
-            entropy = sums.get(f"entropy/{layer}", 0.0) / tokens
-            entropies.append(entropy)
-            out[f"moe/layer{layer}/router_entropy"] = entropy
-    if violations:
-        out["moe/load_violation/max"] = max(violations)
-        out["moe/load_violation/mean"] = sum(violations) / len(violations)
-    if entropies:
-        out["moe/router_entropy"] = sum(entropies) / len(entropies)
-    compared = sum(sums.get(f"compared/{layer}", 0.0) for layer in range(layers))
-    if compared > 0:
-        matched = sum(sums.get(f"matched/{layer}", 0.0) for layer in range(layers))
-        out["moe/rollout_router_match"] = matched / compared
-    return out
+def _find(base: nn.Module) -> Routers | None:
+    adapter = family_of(base)
+    if adapter is None:
+        return None
+    found = []  # (layer number, block, router)
+    for name, module in base.named_modules():
+        block = adapter.block(module)
+        if block is None:
+            continue
+        numbers = [int(part) for part in name.split(".") if part.isdigit()]
+        router = adapter.router(block)
+        if router is not None:
+            found.append((numbers[0] if numbers else 0, block, router))
+    if not found:
+        return None
+    config = base.config
+    routers = [router for _, _, router in found]
+    blocks = [block for _, block, _ in found]
+    return Routers(
+        model=base,
+        routers=routers,
+        blocks=blocks,
+        layer_numbers=[number for number, _, _ in found],
+        num_experts=max(
+            adapter.num_experts(r, b, config) for r, b in zip(routers, blocks, strict=True)
+        ),
+        top_k=adapter.top_k(routers[0], blocks[0], config),
+        family=str(getattr(config, "model_type", type(base).__name__)),
+        adapter=adapter,
+        null_experts=adapter.null_experts(config),
+    )
 
 
 class RoutingSession:
@@ -272,94 +257,126 @@ class RoutingSession:
         record: bool = False,
         stats: RouterStats | None = None,
         keep_logits: bool = False,
+        probe: bool = False,
     ):
         self.routers = routers
         self.replay, self.reference, self.real = replay, reference, real
         self.record, self.stats, self.keep_logits = record, stats, keep_logits
         self.recorded: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.logits: list[torch.Tensor] = []
+        self.probe = probe  # keep every call's (logits, weights, experts) in ``seen``
+        self.seen: list[list[tuple]] = [[] for _ in routers.routers]
+        self.inputs: list[list[tuple]] = [[] for _ in routers.routers]  # the router's args
+        self._pending: dict[int, torch.Tensor] = {}  # logits of routers whose block chooses
+        self.unread: set[int] = set()  # routers whose choice honing found no way to read
         self._handles = []
 
     def __enter__(self) -> RoutingSession:
-        for number, router in enumerate(self.routers.routers):
-            self._handles.append(router.register_forward_hook(self._hook(number)))
+        for number, (router, block) in enumerate(
+            zip(self.routers.routers, self.routers.blocks, strict=True)
+        ):
+            self._handles.append(
+                router.register_forward_hook(self._router_hook(number), with_kwargs=True)
+            )
+            self._handles.append(
+                block.experts.register_forward_pre_hook(
+                    self._experts_hook(number), with_kwargs=True
+                )
+            )
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._pending.clear()
 
     def recorded_calls(self) -> list[torch.Tensor]:
         """Per call, [n, L, k] experts used by each MoE layer (``record``)."""
         calls = len(self.recorded[0]) if self.recorded else 0
         return [torch.stack([layer[call] for layer in self.recorded], 1) for call in range(calls)]
 
-    def _mixing(self, number: int, router: nn.Module, output) -> Mixing:
-        known, key = self.routers.mixing, (number, output[0].dtype)
-        if known.get(key) is None:
-            known[key] = find_mixing(router, output)
-        if known[key] is None:
-            raise ValueError(
-                f"routing replay: the router {type(router).__name__} (layer "
-                f"{self.routers.layer_numbers[number]}) mixes experts in a way honing cannot "
-                "recompute; set algorithm.routing_replay=off"
-            )
-        return known[key]
-
-    def _hook(self, number: int):
-        def hook(router, args, output):
-            logits, weights, experts = output
-            live = experts
-            changed = False
-            if self.replay is not None:
-                plan = self._rows(self.replay, number, logits)
-                mixing = self._mixing(number, router, output)
-                use = plan[:, :1] >= 0
-                experts = torch.where(use, plan.to(live.dtype), live)
-                weights = mixing.weights(logits, experts)
-                changed = True
-            if self.record:
-                self.recorded[number].append(experts.detach().to(self.routers.index_dtype))
-            if self.stats is not None:
-                self._count(number, logits.detach(), live, experts)
-            if self.keep_logits:
-                real = self.real
-                self.logits.append(logits if real is None else logits[real])
-            return (logits, weights, experts) if changed else None
+    def _router_hook(self, number: int):
+        def hook(router, args, kwargs, output):
+            form = self.routers.adapter.form
+            choice = form.read(output, self.routers.top_k)
+            if choice is None:  # the block chooses: the session takes it at the experts
+                logits = form.logits(output)
+                if logits is None:
+                    self.unread.add(number)
+                else:
+                    self._pending[number] = logits
+                return None
+            if self.probe:
+                self.inputs[number].append((args, kwargs))
+            changed = self._route(number, *choice)
+            return None if changed is None else form.write(output, *changed)
 
         return hook
 
-    def _rows(self, plan: torch.Tensor, number: int, logits: torch.Tensor) -> torch.Tensor:
-        if plan.shape[0] != logits.shape[0]:
-            raise RuntimeError(
-                f"routing plan for {plan.shape[0]} tokens; the router saw {logits.shape[0]}"
+    def _experts_hook(self, number: int):
+        def hook(experts, args, kwargs):
+            logits = self._pending.pop(number, None)
+            if logits is None:
+                return None
+            named = "top_k_index" in kwargs
+            index = kwargs["top_k_index"] if named else args[1] if len(args) > 2 else None
+            weights = (
+                kwargs.get("top_k_weights") if named else args[2] if index is not None else None
             )
-        return plan[:, number].to(logits.device)
+            if not _choice_like(index, weights):  # experts that route for themselves
+                self.unread.add(number)
+                return None
+            changed = self._route(number, logits, flat_tokens(weights), flat_tokens(index))
+            if changed is None:
+                return None
+            weights, index = changed[0].view(weights.shape), changed[1].view(index.shape)
+            if named:
+                return args, kwargs | {"top_k_index": index, "top_k_weights": weights}
+            return (args[0], index, weights, *args[3:]), kwargs
 
-    def _count(self, number, logits, live, used) -> None:
-        stats, layers, experts = self.stats, self.routers.layers, self.routers.num_experts
-        real = self.real if self.real is not None else torch.ones_like(live[:, 0], dtype=bool)
-        real = real.to(live.device)
-        if stats.load is None:
-            zeros = torch.zeros(layers, device=live.device, dtype=torch.float64)
-            stats.load = torch.zeros(layers, experts, device=live.device, dtype=torch.float64)
-            stats.entropy, stats.tokens = zeros.clone(), zeros.clone()
-            stats.matched, stats.compared = zeros.clone(), zeros.clone()
-        chosen = used[real].reshape(-1).long()
-        stats.load[number] += torch.bincount(chosen, minlength=experts)[:experts].double()
-        logp = logits[real].float().log_softmax(-1)
-        stats.entropy[number] += -(logp.exp() * logp).sum().double()
-        stats.tokens[number] += real.sum()
-        if self.reference is not None:
-            reference = self._rows(self.reference, number, logits)
-            known = real & (reference[:, 0] >= 0)
-            same = (live.sort(-1).values == reference.to(live.dtype).sort(-1).values).all(-1)
-            stats.matched[number] += (same & known).sum()
-            stats.compared[number] += known.sum()
+        return hook
 
+    def _route(self, number: int, logits, weights, live):
+        """One router call's choice: recorded, counted, replayed. Returns the replayed
+        ``(weights, experts)``, or None when the live choice stands."""
+        routers = self.routers
+        if self.probe:
+            self.seen[number].append((logits.detach(), weights.detach(), live))
+        used, changed = live, None
+        if self.replay is not None and not routers.adapter.hashed(routers.routers[number]):
+            plan = self._rows(self.replay, number, live)
+            mixing = routers.mixing_of(number, (logits, weights, live))
+            if mixing is None:
+                raise ValueError(
+                    f"routing replay: the router {type(routers.routers[number]).__name__} "
+                    f"(layer {routers.layer_numbers[number]}) mixes experts in a way honing "
+                    "cannot recompute; set algorithm.routing_replay=off"
+                )
+            used = torch.where(plan[:, :1] >= 0, plan.to(live.dtype), live)
+            changed = mixing.weights(logits, used, weights.dtype), used
+        if self.record:
+            self.recorded[number].append(used.detach().to(routers.index_dtype))
+        if routers.adapter.probabilities:  # the log of probabilities: logits of the same softmax
+            logits = logits.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+        if self.stats is not None or self.keep_logits:
+            real = self.real.to(live.device) if self.real is not None else None
+            pick = (lambda t: t) if real is None else (lambda t: t[real])
+            if self.stats is not None:
+                reference = None
+                if self.reference is not None:
+                    reference = pick(self._rows(self.reference, number, live))
+                shape = (routers.layers, routers.slots)
+                self.stats.add(
+                    number, shape, pick(logits.detach()), pick(used), pick(live), reference
+                )
+            if self.keep_logits:
+                self.logits.append(pick(logits))
+        return changed
 
-def router_z_loss(logits: list[torch.Tensor]) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2, averaged over
-    layers."""
-    return torch.stack([lg.float().logsumexp(-1).square().mean() for lg in logits]).mean()
+    def _rows(self, plan: torch.Tensor, number: int, live: torch.Tensor) -> torch.Tensor:
+        if plan.shape[0] != live.shape[0]:
+            raise RuntimeError(
+                f"routing plan for {plan.shape[0]} tokens; the router saw {live.shape[0]}"
+            )
+        return plan[:, number].to(live.device)

@@ -42,7 +42,8 @@ class TinySpec:
     warmstart_batch: int = 128
     warmstart_lr: float = 3e-3
     seed: int = 0
-    experts: int = 0  # > 0: a Qwen3-MoE with this many experts in every layer
+    experts: int = 0  # > 0: an MoE with this many experts in every layer
+    family: str = "qwen3_moe"  # the MoE's transformers family: qwen3_moe or gpt_oss
     experts_per_token: int = 2
     expert_size: int = 192  # each expert's intermediate size
     # the warm start's load-balancing loss (as MoE pretraining keeps one: experts stay used)
@@ -80,7 +81,14 @@ def build_tokenizer():
 
 
 def _new_model(spec: TinySpec, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = {
         "vocab_size": len(tokenizer),
@@ -95,7 +103,17 @@ def _new_model(spec: TinySpec, tokenizer):
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.bos_token_id,
     }
-    if spec.experts:
+    if spec.experts and spec.family == "gpt_oss":  # its router: a softmax of the top-k logits
+        config = GptOssConfig(
+            **common | {"intermediate_size": spec.expert_size},
+            num_local_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            head_dim=spec.hidden_size // spec.num_heads,
+            sliding_window=spec.max_positions,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model_class = GptOssForCausalLM
+    elif spec.experts:
         config = Qwen3MoeConfig(
             **common,
             moe_intermediate_size=spec.expert_size,
@@ -168,6 +186,8 @@ def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
     if not spec.experts:  # the dense model's key predates the MoE settings
         for key in ("experts", "experts_per_token", "expert_size", "router_aux_coef"):
             settings.pop(key)
+    if spec.family == "qwen3_moe":  # and the Qwen3-MoE's predates the family
+        settings.pop("family")
     digest = hashlib.sha256(json.dumps([settings, corpus]).encode())
     return digest.hexdigest()[:16]
 
@@ -176,7 +196,11 @@ def build_tiny_model(
     cache_dir: str | Path, corpus: list[tuple[str, str]], spec: TinySpec = TINY, log=print
 ) -> Path:
     """Return the directory of the warm-started tiny model, building it if not cached."""
-    name = "tiny-moe" if spec.experts else "tiny"
+    name = (
+        "tiny"
+        if not spec.experts
+        else "tiny-moe" + ("" if spec.family == "qwen3_moe" else f"-{spec.family}")
+    )
     target = Path(cache_dir) / f"{name}-{cache_key(spec, corpus)}"
     if (target / "config.json").exists():
         return target

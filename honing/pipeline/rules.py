@@ -204,19 +204,25 @@ def check_policy_routing(config: Config, policy) -> None:
     layers, routers whose mixing weights honing can recompute, the family's load-balancing
     loss."""
     from honing.models.moe import routers_of
+    from honing.models.moe_families import NOT_ROUTED
 
     algo = config.algorithm
     if algo.routing_replay == "off" and not (algo.router_aux_coef or algo.router_z_coef):
         return
     routers = routers_of(policy)
     if routers is None:
+        family = getattr(policy.config, "model_type", None)
+        why = (
+            f"the {family} family {NOT_ROUTED[family]}"
+            if family in NOT_ROUTED
+            else f"{type(policy).__name__} has no top-k routed MoE layers"
+        )
         raise ConfigError(
-            "algorithm.routing_replay / router_aux_coef / router_z_coef apply to "
-            f"mixture-of-experts policies; {type(policy).__name__} has no top-k routed "
-            "MoE layers"
+            "algorithm.routing_replay / router_aux_coef / router_z_coef apply to top-k routed "
+            f"mixture-of-experts policies; {why}; set them to off / 0"
         )
     if algo.routing_replay != "off" and (reason := routers.check_replay()) is not None:
-        raise ConfigError(f"algorithm.routing_replay: {reason}")
+        raise ConfigError(f"algorithm.routing_replay: {reason}; set it to off")
     if algo.router_aux_coef > 0 and routers.load_balancing_loss() is None:
         raise ConfigError(
             f"algorithm.router_aux_coef: the {routers.family} family defines no "

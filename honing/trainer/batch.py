@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
-from honing.models.moe import RouterStats, routers_of
+from honing.models.moe import routers_of
+from honing.models.moe_stats import RouterStats
 from honing.trainer.head import head_logprobs
 from honing.trainer.packed import (
     is_sharded,

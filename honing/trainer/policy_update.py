@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
-from honing.models.moe import RouterStats, host_sums, moe_metrics, router_z_loss, routers_of
+from honing.models.moe import routers_of
+from honing.models.moe_stats import RouterStats, host_sums, moe_metrics, router_z_loss
 from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
 from honing.trainer.engine import TrainerEngine
 
@@ -220,5 +221,5 @@ def update_policy(
     metrics["actor/skipped_updates"] = skipped
     if stats is not None:
         sums = host_sums(trainer.reduce(stats.sums()))
-        metrics |= moe_metrics(sums, routers.layers, routers.num_experts)
+        metrics |= moe_metrics(sums, routers.layers, routers.num_experts, routers.null_experts)
     return metrics

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from honing.models.llama_block import supports
-from honing.models.moe import RouterStats, find_mixing, moe_metrics, routers_of
+from honing.models.moe import routers_of
+from honing.models.moe_mixing import find_mixing
+from honing.models.moe_stats import RouterStats, moe_metrics
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.fast_decode import FastDecoder
 from honing.rollout.transformers_engine import TransformersEngine
@@ -46,9 +48,12 @@ def test_every_family_s_routers_are_found_and_their_mixing_recomputed(family, mo
 
 
 def test_a_router_no_recipe_reproduces_cannot_be_replayed(model):
-    router = routers_of(model).routers[0]
+    routers = routers_of(model)
+    router, block = routers.routers[0], routers.blocks[0]
     logits, weights, experts = router(torch.randn(3, model.config.hidden_size))
-    assert find_mixing(router, (logits, weights * 1.5, experts)) is None
+    candidates = routers.adapter.recipes(router, block, model.config)
+    assert find_mixing(candidates, (logits, weights, experts)) is not None
+    assert find_mixing(candidates, (logits, weights * 1.5, experts)) is None
 
 
 def test_replaying_the_routers_own_choice_changes_nothing(family, model, batch):
