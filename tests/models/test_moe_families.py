@@ -1,0 +1,123 @@
+"""Every top-k routed mixture-of-experts causal-LM family of the installed transformers:
+honing finds its routers, replays a recorded choice exactly, or refuses replay in one line
+that names the family and the reason; and docs/moe.md's table says which, for each family.
+A family transformers adds that the table does not name fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from honing.config import build_config
+from honing.errors import ConfigError
+from honing.models.moe import routers_of
+from honing.models.moe_stats import RouterStats, moe_metrics
+from honing.pipeline.rules import check_policy_routing
+from tests.models.moe_families import build, moe_families
+
+DOC = Path(__file__).parents[2] / "docs" / "moe.md"
+
+
+def doc_table() -> dict[str, tuple[str, str]]:
+    """docs/moe.md's family table: model type -> (found, replay) columns."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and re.fullmatch(r"`[a-z0-9_]+`", cells[0]):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+TABLE = doc_table()
+INSTALLED = moe_families()
+
+
+def test_the_table_names_every_installed_family():
+    missing = sorted(set(INSTALLED) - set(TABLE))
+    assert not missing, (
+        f"transformers {transformers.__version__} has MoE families docs/moe.md's table does "
+        f"not name: {missing}; build each in tests/models/moe_families.py and add its row"
+    )
+
+
+def ids(shape, seed=0):
+    return torch.randint(3, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def experts_given(routers, model, replay=None):
+    """The experts each block's ``experts`` module was handed per token ([N, L, k], seen
+    there rather than through honing's hooks): its index argument, or for a block that runs
+    every expert on its score (Llama 4) the experts whose input rows are not all zero."""
+    given = []
+
+    def take(module, args):
+        if len(args) >= 3 and not args[1].is_floating_point():
+            given.append(args[1].reshape(-1, args[1].shape[-1]))
+        else:  # [E * N, H] rows: each expert's copy of the tokens, zero where not chosen
+            rows = args[0].reshape(routers.num_experts, -1, args[0].shape[-1])
+            chosen = rows.abs().sum(-1).ne(0).T  # [N, E]
+            given.append(chosen.float().topk(routers.top_k, -1).indices.sort(-1).values)
+
+    with torch.no_grad(), routers.session(replay=replay):  # its hooks first: they steer
+        handles = [block.experts.register_forward_pre_hook(take) for block in routers.blocks]
+        try:
+            model(ids((2, 7)))
+        finally:
+            for handle in handles:
+                handle.remove()
+    return torch.stack(given, 1)
+
+
+@pytest.mark.parametrize("family", INSTALLED)
+def test_each_family_is_replayed_exactly_or_refused_in_one_line(family):
+    found, replay = TABLE.get(family, ("?", "?"))
+    if found == "?":
+        pytest.fail(f"{family} is not in docs/moe.md's table")
+    model = build(family)
+    routers = routers_of(model)
+    config = build_config({"algorithm.routing_replay": "R3"})
+    if found.startswith("no"):
+        assert routers is None
+        with pytest.raises(ConfigError, match=f"the {family} family .*; set "):
+            check_policy_routing(config, model)
+        return
+    assert routers is not None and routers.layers >= 1 and found.startswith("yes")
+    # metrics: every decision counted in a slot (a looped layer's on every pass), the
+    # entropy positive; none where the routers' choice cannot be read (named below)
+    stats = RouterStats()
+    with torch.no_grad(), routers.session(stats=stats) as session:
+        model(ids((2, 7)))
+    if not session.unread:
+        sums = {k: float(v) for k, v in stats.sums().items()}
+        loads = sum(v for k, v in sums.items() if k.startswith("load/"))
+        decisions = 14 * routers.top_k
+        assert loads % decisions == 0 and loads >= decisions * routers.layers
+        metrics = moe_metrics(sums, routers.layers, routers.num_experts, routers.null_experts)
+        assert metrics["moe/router_entropy"] > 0
+    reason = routers.check_replay()
+    if not replay.startswith("exact") or f"refused on {transformers.__version__}" in replay:
+        assert reason is not None and family in reason and "\n" not in reason
+        with pytest.raises(ConfigError, match=re.escape(reason)):
+            check_policy_routing(config, model)
+        return
+    assert reason is None
+    check_policy_routing(config, model)
+    with torch.no_grad():
+        with routers.session(record=True) as session:
+            plain = model(ids((2, 7))).logits
+        [recorded] = session.recorded_calls()
+        with routers.session(replay=recorded.long()):
+            again = model(ids((2, 7))).logits
+    assert torch.equal(plain, again), "replaying the routers' own choice changed the logits"
+    # another choice (each expert number moved by one) reaches the experts as planned
+    hashed = [routers.adapter.hashed(router) for router in routers.routers]
+    plan = (recorded.long() + 1) % routers.num_experts
+    given = experts_given(routers, model, replay=plan)
+    for layer in range(routers.layers):
+        expected = recorded[:, layer] if hashed[layer] else plan[:, layer]
+        assert torch.equal(given[:, layer].sort(-1).values, expected.sort(-1).values.long())
+    assert not torch.equal(experts_given(routers, model)[:, ~torch.tensor(hashed)], given)
