@@ -12,6 +12,7 @@ import pytest
 from honing.data import warmstart_corpus
 from honing.models.loading import load_tokenizer, save_model
 from honing.models.tiny import TinySpec, build_tiny_model
+from tests.models.moe_families import build as build_moe_family
 from tests.models.moe_models import moe_model
 
 # Every metric a test run logs must be in honing/monitor/names.py, which alert rules are
@@ -124,14 +125,23 @@ def run_config():
     return small_run_config
 
 
+# families whose routers differ from Qwen3-MoE's most (their routers' names, outputs and
+# recipes; DBRX's block chooses) and phimoe, refused
+OTHER_MOE_FAMILIES = ("gpt_oss", "llama4_text", "granitemoe", "jamba", "dbrx", "phimoe")
+
+
 @pytest.fixture(scope="session")
 def moe_dirs(tmp_path_factory, micro_model_dir):
     """Model directories of small random MoE families with the micro model's tokenizer."""
     tokenizer = load_tokenizer(micro_model_dir)
     root = tmp_path_factory.mktemp("moe")
     dirs = {}
-    for family in ("qwen3_moe", "mixtral", "deepseek_v3"):
-        model = moe_model(family, len(tokenizer), tokenizer.pad_token_id)
+    for family in ("qwen3_moe", "mixtral", "deepseek_v3", *OTHER_MOE_FAMILIES):
+        if family in OTHER_MOE_FAMILIES:  # as tests/models/moe_families.py builds them
+            special = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+            model = build_moe_family(family, vocab_size=len(tokenizer), **special)
+        else:
+            model = moe_model(family, len(tokenizer), tokenizer.pad_token_id)
         model.config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         save_model(model, tokenizer, root / family)

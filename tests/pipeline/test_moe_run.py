@@ -2,6 +2,7 @@
 router losses under each schedule, the metrics they log, and what is refused up front."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,29 @@ def test_every_family_trains_with_its_routing_metrics(tmp_path, moe_dirs, digit_
         assert 0 <= step["moe/load_violation/mean"] <= step["moe/load_violation/max"]
         assert step["moe/router_entropy"] > 0
         assert "moe/layer0/load_violation" in step
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text", "granitemoe", "jamba", "dbrx"])
+def test_families_beyond_the_gate_router_train_with_r3(tmp_path, moe_dirs, digit_reward, family):
+    """Routers named ``router``, returning dense scores (Llama 4) or only logits (DBRX, whose
+    block chooses), softmax over the top-k logits (gpt-oss, Granite): three steps with R3,
+    the engine's records replayed, every moe/* metric logged."""
+    values = QUICK | {"trainer.total_steps": 3, "algorithm.routing_replay": "R3"}
+    train(small_run_config(moe_dirs[family], digit_reward, **values), tmp_path / "run")
+    steps = step_metrics(tmp_path / "run")
+    assert len(steps) == 3
+    for step in steps:
+        assert step["moe/rollout_router_match"] >= 0.99
+        assert 0 <= step["moe/load_violation/mean"] <= step["moe/load_violation/max"]
+        assert step["moe/router_entropy"] > 0
+
+
+def test_a_family_replay_cannot_reproduce_is_refused_with_the_reason(moe_dirs, digit_reward):
+    config = small_run_config(
+        moe_dirs["phimoe"], digit_reward, **{"algorithm.routing_replay": "R3"}
+    )
+    with pytest.raises(ConfigError, match="the phimoe family routes with sparsemixer, .*; set"):
+        train(config, Path("/nonexistent/run"), log=lambda m: None)
 
 
 @pytest.mark.parametrize(
