@@ -107,7 +107,7 @@ test-fast: setup
 # .venv-tf-VERSION, with the dev extras and not vllm, whose pin (transformers<5.20) would move
 # the version under test.
 TF_VERSIONS ?= 5.16.1 5.25.0
-TF_TESTS ?= tests/models/test_moe.py tests/data/test_render.py \
+TF_TESTS ?= tests/models/test_moe.py tests/models/test_moe_families.py tests/data/test_render.py \
 	$(addprefix tests/rollout/,test_fast_decode.py test_transformers_engine.py test_speculative.py) \
 	$(addprefix tests/trainer/,test_packed.py test_batch.py test_head.py test_autocast.py \
 		test_policy_update.py) \
