@@ -121,3 +121,32 @@ def test_each_family_is_replayed_exactly_or_refused_in_one_line(family):
         expected = recorded[:, layer] if hashed[layer] else plan[:, layer]
         assert torch.equal(given[:, layer].sort(-1).values, expected.sort(-1).values.long())
     assert not torch.equal(experts_given(routers, model)[:, ~torch.tensor(hashed)], given)
+
+
+@pytest.mark.parametrize("family", ["longcat_flash", "zaya"])
+def test_zero_and_skip_experts_are_counted_as_null_slots(family):
+    """LongCat-Flash's zero experts and ZAYA's skip (which its router hands on as expert 0
+    with weight 0) are counted in slots after the experts, not dropped nor put on an
+    expert; a replayed skip reaches the block folded as the router folds it."""
+    if family not in INSTALLED:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    model = build(family)
+    routers = routers_of(model)
+    stats = RouterStats()
+    with torch.no_grad(), routers.session(stats=stats, record=True) as session:
+        model(ids((4, 16)))
+    if session.unread:  # transformers 5.16.1's LongCat router returns no logits (the table)
+        assert f"refused on {transformers.__version__}" in TABLE[family][1]
+        return
+    [recorded] = session.recorded_calls()
+    null = recorded >= routers.num_experts
+    assert null.any() and int(recorded.max()) < routers.slots
+    assert stats.load[:, routers.num_experts :].sum() == null.sum()
+    sums = {k: float(v) for k, v in stats.sums().items()}
+    share = moe_metrics(sums, routers.layers, routers.num_experts, routers.null_experts)
+    assert share["moe/null_expert_share"] == pytest.approx(float(null.float().mean()))
+    with torch.no_grad():  # replaying the record, null slots included, changes nothing
+        with routers.session():
+            plain = model(ids((4, 16))).logits
+        with routers.session(replay=recorded.long()):
+            assert torch.equal(model(ids((4, 16))).logits, plain)
