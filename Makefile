@@ -101,9 +101,9 @@ test-fast: setup
 # make test-transformers: honing's use of transformers' internals at both ends of the range
 # pyproject.toml declares (TF_VERSIONS): the lean decode and packed logprob passes against the
 # Hugging Face forward and its KV cache, speculative decoding, activation checkpointing, model
-# loading and saving, chat templates, LoRA, the MoE routers, the MTP heads, the critic, the
-# tiny model's build and short training runs (215 tests: 47 s of pytest at 5.25.0 on the 2-core
-# VM, minutes while other work shares its cores). Each version has a virtualenv of its own,
+# loading and saving, chat templates, LoRA, the MoE routers of every MoE family, the MTP
+# heads, the critic, the tiny model's build and short training runs (291 tests: 28 s of
+# pytest at 5.25.0 on the 2-core VM, minutes while other work shares its cores). Each version has a virtualenv of its own,
 # .venv-tf-VERSION, with the dev extras and not vllm, whose pin (transformers<5.20) would move
 # the version under test.
 TF_VERSIONS ?= 5.16.1 5.25.0
