@@ -103,9 +103,9 @@ test-fast: setup
 # Hugging Face forward and its KV cache, speculative decoding, activation checkpointing, model
 # loading and saving, chat templates, LoRA, the MoE routers of every MoE family, the MTP
 # heads, the critic, the tiny model's build and short training runs (291 tests: 28 s of
-# pytest at 5.25.0 on the 2-core VM, minutes while other work shares its cores). Each version has a virtualenv of its own,
-# .venv-tf-VERSION, with the dev extras and not vllm, whose pin (transformers<5.20) would move
-# the version under test.
+# pytest at 5.25.0 on the 2-core VM, minutes while other work shares its cores). Each version
+# has a virtualenv of its own, .venv-tf-VERSION, with the dev extras and not vllm, whose pin
+# (transformers<5.20) would move the version under test.
 TF_VERSIONS ?= 5.16.1 5.25.0
 TF_TESTS ?= tests/models/test_moe.py tests/models/test_moe_families.py tests/data/test_render.py \
 	$(addprefix tests/rollout/,test_fast_decode.py test_transformers_engine.py test_speculative.py) \
