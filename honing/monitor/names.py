@@ -121,6 +121,7 @@ KNOWN = frozenset(
         "moe/load_violation/max",
         "moe/load_violation/mean",
         "moe/router_entropy",
+        "moe/null_expert_share",
         "moe/rollout_router_match",
         "moe/aux_loss",
         "moe/z_loss",
