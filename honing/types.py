@@ -45,13 +45,17 @@ class Rollout:
         behaviour_logprobs: log-probability under the sampling distribution of each response
             token (after temperature / top-k / top-p), one per ``response_ids`` entry.
         finish_reason: ``stop`` (EOS), ``length`` (hit a token limit) or ``abort``.
-        weight_version: the policy version (trainer step) whose weights produced it.
+        weight_version: the policy version (trainer step) whose weights produced it; for a
+            sample continued across weight updates (partial rollouts), its oldest token's.
         text: decoded response without special tokens.
         gen_seconds: wall time of the generate call this rollout came from.
         routed_experts: for a mixture-of-experts policy, the experts its routers chose for
             each input token (the prompt's, then every response token but the last) in each
             MoE layer: a [prompt + response - 1, layers, top_k] int8 (int16 past 127
             experts) torch tensor; None for a dense policy or an engine that reports none.
+        version_spans: for a sample continued across weight updates (partial rollouts),
+            ``(version, tokens)`` in order: the first ``tokens`` response tokens were made by
+            weights ``version``, and so on; None when ``weight_version`` made them all.
     """
 
     prompt_id: str
@@ -64,6 +68,13 @@ class Rollout:
     text: str
     gen_seconds: float = 0.0
     routed_experts: Any = None
+    version_spans: list[tuple[int, int]] | None = None
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every response token."""
+        if not self.version_spans:
+            return [self.weight_version] * len(self.response_ids)
+        return [version for version, count in self.version_spans for _ in range(count)]
 
 
 @dataclass

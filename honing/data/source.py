@@ -49,31 +49,40 @@ class PromptSource:
         self._epoch = 0
         self._position = 0
         self._order = self._epoch_order(0)
+        self._index = {prompt.id: i for i, prompt in enumerate(self._prompts)}
+        self._requeued: list[int] = []  # drawn before a resume, not trained: served first
 
     @property
     def epoch(self) -> int:
         """The 0-based epoch of the last prompt served (0 before the first batch)."""
         return self._epoch
 
-    def next_batch(self) -> list[Prompt]:
-        """The next ``batch_size`` prompts, continuing into the next epoch when needed."""
-        batch: list[Prompt] = []
-        while len(batch) < self._batch_size:
+    def next_batch(self, size: int | None = None) -> list[Prompt]:
+        """The next ``size`` prompts (``batch_size`` by default), continuing into the next
+        epoch when needed; prompts requeued by ``load_state_dict`` come first."""
+        size = self._batch_size if size is None else size
+        batch = [self._prompts[i] for i in self._requeued[:size]]
+        del self._requeued[:size]
+        while len(batch) < size:
             if self._position == len(self._prompts):
                 self._start_epoch(self._epoch + 1, 0)
-            take = min(self._batch_size - len(batch), len(self._prompts) - self._position)
+            take = min(size - len(batch), len(self._prompts) - self._position)
             indices = self._order[self._position : self._position + take]
             batch.extend(self._prompts[index] for index in indices)
             self._position += take
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor, JSON-serialisable: ``{"epoch", "position", "num_prompts"}``."""
-        return {
+    def state_dict(self, requeue: list[Prompt] = ()) -> dict[str, Any]:
+        """The cursor, JSON-serialisable: ``{"epoch", "position", "num_prompts"}``, and
+        ``requeue``: prompts drawn already that a resumed source serves again first (by
+        index), with any still waiting."""
+        state = {
             "epoch": self._epoch,
             "position": self._position,
             "num_prompts": len(self._prompts),
         }
+        indices = [self._index[p.id] for p in requeue] + self._requeued
+        return state | ({"requeue": indices} if indices else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a cursor saved by ``state_dict``.
@@ -92,6 +101,7 @@ class PromptSource:
         if not 0 <= position <= len(self._prompts):
             raise DataError(f"the checkpoint's data cursor position {position} is out of range")
         self._start_epoch(int(state["epoch"]), position)
+        self._requeued = [int(i) for i in state.get("requeue", [])]
 
     def _start_epoch(self, epoch: int, position: int) -> None:
         self._epoch = epoch

@@ -144,6 +144,7 @@ PATTERNS = tuple(
         r"memory/peak_\w+_gb",
         r"ray/\w+_workers",
         r"val/spec_\w+",  # speculation while validating
+        r"partial/\w+",  # partial rollouts (schedule.partial_rollout)
     )
 )
 

@@ -40,10 +40,11 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from honing.config import Config
-from honing.pipeline.collect import Collected, generate_round, score_round
+from honing.pipeline.collect import Collected, Generated, generate_round, score_round
 from honing.pipeline.components import Components
 from honing.pipeline.inputs import build_scorer
-from honing.rollout.base import WeightBucket, WeightStream
+from honing.pipeline.partial import PartialPool
+from honing.rollout.base import GenerationRequest, WeightBucket, WeightStream
 
 STOP = object()  # a scoring thread's end-of-work marker
 MAX_SCORERS = 4  # scoring threads at most (each holds a scorer: clients, worker pools)
@@ -90,6 +91,17 @@ class RolloutProducer:
         self._stopping = False
         self.engine_idle_s = 0.0  # generation's waits for admission, since the last take
         self._to_score: queue.Queue = queue.Queue(maxsize=1)
+        self.pool = None  # schedule.partial_rollout: the groups in flight (pipeline/partial)
+        self._emitted: dict[int, list] = {}  # partial: step -> its batch's prompts
+        if schedule.partial_rollout:
+            rollout = config.rollout
+            self.pool = PartialPool(
+                self.parts,
+                group_size=rollout.group_size,
+                batch_size=rollout.batch_size,
+                chunk_tokens=schedule.partial_chunk_tokens,
+                max_staleness=self.max_staleness,
+            )
         count = min(self.max_staleness + 1, MAX_SCORERS)
         make = parts.make_scorer or (lambda: build_scorer(config))
         self._scorers = [parts.scorer] + [make() for _ in range(count - 1)]
@@ -122,7 +134,14 @@ class RolloutProducer:
         got = produced.collected
         staleness = (step - 1) - produced.version
         stale = 0
-        if staleness > self.max_staleness:  # drop, and count, every sample of the batch
+        if self.pool is not None and staleness > self.max_staleness:  # partial: by sample
+            kept = [
+                (r, s) for r, s in got.kept if step - 1 - r.weight_version <= self.max_staleness
+            ]
+            stale = len(got.kept) - len(kept)
+            groups = len({r.group_index for r, _ in kept})
+            got = replace(got, kept=kept, groups_kept=groups)
+        elif staleness > self.max_staleness:  # drop, and count, every sample of the batch
             stale = len(got.rollouts)
             got = replace(got, kept=[], failed=0, filtered=Counter(), groups_kept=0)
         return got, {
@@ -144,8 +163,15 @@ class RolloutProducer:
 
     def source_state(self, next_step: int) -> dict:
         """The data cursor a checkpoint after step ``next_step - 1`` must record: the one
-        before the prompts of ``next_step`` were drawn (later batches are regenerated)."""
+        before the prompts of ``next_step`` were drawn (later batches are regenerated). With
+        partial rollouts: the cursor after every prompt drawn so far, with those drawn and
+        not trained yet (in the pool, or in batches from ``next_step`` on) to serve again."""
         with self._lock:
+            if self.pool is not None:
+                pending = [
+                    p for s, ps in sorted(self._emitted.items()) if s >= next_step for p in ps
+                ]
+                return self.parts.source.state_dict(requeue=pending + self.pool.prompts())
             if next_step in self._cursors:
                 return self._cursors[next_step]
             return self.parts.source.state_dict()  # generation has not drawn them yet
@@ -169,7 +195,8 @@ class RolloutProducer:
         for scorer in self._scorers[1:]:  # the first is the run's own, closed with the run
             scorer.close()
         with self._lock:
-            return sum(len(p.collected.rollouts) for p in self._ready.values())
+            held = 0 if self.pool is None else sum(len(g.samples) for g in self.pool.groups)
+            return held + sum(len(p.collected.rollouts) for p in self._ready.values())
 
     # -- the threads --------------------------------------------------------------------
 
@@ -212,11 +239,15 @@ class RolloutProducer:
                 self._cursors[step] = self.parts.source.state_dict()
                 for old in [s for s in self._cursors if s < step - self.max_staleness - 2]:
                     del self._cursors[old]
-            if version != self.engine.weight_version:
-                # kept here until a newer version loads: the engine may read them again
-                self.engine.load_weights(version, WeightStream(weights, partial(iter, weights)))
-            prompts = self.parts.source.next_batch()
-            generated = generate_round(self.parts, prompts, 0, self.seed_of(step))
+                    self._emitted.pop(old, None)
+            self._load(version, weights)
+            if self.pool is not None:
+                generated = self._partial_batch(step)
+                if generated is None:
+                    return
+            else:
+                prompts = self.parts.source.next_batch()
+                generated = generate_round(self.parts, prompts, 0, self.seed_of(step))
             while not self._stopping:  # the scorer may be busy, or gone after an error
                 try:
                     self._to_score.put((step, version, generated), timeout=0.1)
@@ -224,9 +255,52 @@ class RolloutProducer:
                 except queue.Full:
                     continue
 
+    def _load(self, version: int, weights) -> None:
+        if version != self.engine.weight_version:
+            # kept here until a newer version loads: the engine may read them again
+            self.engine.load_weights(version, WeightStream(weights, partial(iter, weights)))
+
+    def _partial_batch(self, step: int) -> Generated | None:
+        """Step ``step``'s batch from the pool: chunks until ``batch_size`` groups are
+        finished, the newest published weights loaded between chunks; None when stopping."""
+        pool, started, ended = self.pool, time.perf_counter(), 0
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return None
+                newest = self._trained
+                pool.add(self.parts.source.next_batch(pool.room(step, newest)))
+                weights = self._published.get(newest)
+            self._load(newest, weights)
+            pool.chunk(self.seed_of(step))
+            if pool.ready() >= pool.batch_size:
+                ended = pool.end_stale(step)
+                break
+        with self._lock:
+            groups = pool.take()
+            self._emitted[step] = [group.prompt for group in groups]
+        rollouts = pool.rollouts(groups)
+        ages: Counter = Counter()
+        for rollout in rollouts:
+            ages.update(step - 1 - v for v in rollout.token_versions())
+        metrics = {
+            "partial/carried_samples": pool.in_flight(),
+            "partial/ended_stale": ended,
+            "partial/multi_version_samples": sum(len(r.version_spans or ()) > 1 for r in rollouts),
+            **{f"partial/tokens_age{age}": count for age, count in sorted(ages.items())},
+        }
+        prompts = [group.prompt for group in groups]
+        requests = [
+            GenerationRequest(p.id, self.parts.prompt_ids[p.id], i) for i, p in enumerate(prompts)
+        ]
+        seconds = time.perf_counter() - started
+        return Generated(prompts, requests, rollouts, seconds, report=(metrics, []))
+
     def _score(self, parts: Components) -> None:
         while (item := self._to_score.get()) is not STOP:
             step, version, generated = item
+            if self.pool is not None and generated.rollouts:  # its oldest token's version
+                version = min(r.weight_version for r in generated.rollouts)
             out = Collected()
             score_round(self.config, parts, generated, out)
             with self._lock:

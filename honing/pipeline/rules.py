@@ -31,6 +31,11 @@ def check_config(config: Config, world_size: int = 1) -> None:
     _backend(config, world_size)
     _ranks(config, world_size)
     _vllm(config, world_size)
+    if config.schedule.partial_rollout and world_size > 1:
+        raise ConfigError(
+            "schedule.partial_rollout is not supported under torchrun yet: the pool "
+            "continues samples in one process's engine; run it in one process"
+        )
 
 
 def _algorithm(config: Config) -> None:
@@ -149,6 +154,7 @@ def _schedule(config: Config) -> None:
     """Dynamic sampling and ReMax generate again from the first round's scores, which the
     schedules that generate ahead do not have yet."""
     mode = config.schedule.mode
+    _partial(config)
     if mode == "sync":
         return
     for unsupported, key in (
@@ -159,6 +165,35 @@ def _schedule(config: Config) -> None:
             raise ConfigError(
                 f"{key} is not supported with schedule.mode={mode} yet; use schedule.mode=sync"
             )
+
+
+def _partial(config: Config) -> None:
+    """Partial rollouts: async alone lets a sample's tokens come from several versions, and
+    the pool continues samples in this process's engine (honing/pipeline/partial.py)."""
+    if not config.schedule.partial_rollout:
+        return
+    if config.schedule.mode != "async":
+        raise ConfigError(
+            "schedule.partial_rollout continues samples across weight updates, which "
+            f"schedule.mode=async allows (sync and one_step sample each batch with one "
+            f"version); set schedule.mode=async instead of {config.schedule.mode}"
+        )
+    in_process = "the pool continues samples in honing's engine in the trainer's process"
+    for unsupported, key, why in (
+        (config.pipeline.backend == "ray", "pipeline.backend=ray", in_process),
+        (
+            config.rollout.engine in ("openai", "vllm"),
+            f"rollout.engine={config.rollout.engine}",
+            in_process + " (rollout.engine=transformers)",
+        ),
+        (
+            config.algorithm.routing_replay == "R3",
+            "algorithm.routing_replay=R3",
+            "a continued sample's routed experts are not recorded across its chunks",
+        ),
+    ):
+        if unsupported:
+            raise ConfigError(f"schedule.partial_rollout is not supported with {key} yet: {why}")
 
 
 def _strategy(config: Config) -> None:

@@ -1,0 +1,183 @@
+"""Partial rollouts (schedule.partial_rollout): samples carried across steps and weight
+updates, every token with the version that made it and the logprob it was sampled with;
+accounting over a run; a resume neither loses nor doubles a prompt; what is refused."""
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from honing.config import build_config
+from honing.data import PromptSource, arithmetic_prompts
+from honing.errors import ConfigError, RunStopped
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.pipeline.partial import PartialPool
+from honing.pipeline.rules import check_config
+from honing.rollout.base import SamplingParams
+from honing.rollout.transformers_engine import TransformersEngine
+from honing.types import Prompt
+
+from .test_loop_logic import ACCOUNTED, config, run, steps
+
+PARTIAL = {
+    "schedule.mode": "async",
+    "schedule.partial_rollout": True,
+    "schedule.max_staleness": 2,
+    "schedule.partial_chunk_tokens": 1,
+}
+
+
+def test_a_sample_spanning_two_versions_keeps_each_tokens_version_and_logprob(
+    micro_model_dir,
+):
+    """Two tokens by version 0, then the weights change (version 1) and the sample goes on:
+    each token's behaviour logprob is its own version's log-softmax at that position,
+    recomputed here with the model's own forward, and its version is the one recorded."""
+    tokenizer = load_tokenizer(micro_model_dir)
+    cpu = torch.device("cpu")
+    old = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    new = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    engine = TransformersEngine(copy.deepcopy(old), tokenizer, device=cpu)  # loads into it
+    ids = tokenizer.encode("12+34=", add_special_tokens=False)
+    parts = SimpleNamespace(
+        engine=engine,
+        tokenizer=tokenizer,
+        prompt_ids={"p": ids},
+        train_sampling=SamplingParams(n=2, max_new_tokens=6, max_seq_len=64, seed=1),
+    )
+    pool = PartialPool(parts, group_size=2, batch_size=1, chunk_tokens=2, max_staleness=2)
+    pool.add([Prompt("p", "12+34=", "46")])
+    pool.chunk(seed=5)
+    engine.load_weights(1, [[(n, t.detach().clone()) for n, t in new.state_dict().items()]])
+    while pool.ready() < 1:
+        pool.chunk(seed=5)
+    [group] = pool.take()
+    rollouts = pool.rollouts([group])
+    spanned = 0
+    for rollout in rollouts:
+        versions = rollout.token_versions()
+        assert versions[:2] == [0, 0] and set(versions[2:]) <= {1}
+        spanned += len(rollout.version_spans) > 1
+        assert rollout.weight_version == 0  # its oldest token's
+        tokens = torch.tensor([ids + rollout.response_ids])
+        for model, version in ((old, 0), (new, 1)):
+            with torch.no_grad():
+                logp = model(tokens).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+            expected = logp.gather(-1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
+            mine = torch.tensor(rollout.behaviour_logprobs)
+            at = torch.tensor(versions) == version
+            torch.testing.assert_close(mine[at], expected[at], atol=2e-5, rtol=0)
+    assert spanned >= 1  # a sample that ended within its first chunk spans one version
+
+
+def test_a_batch_takes_the_groups_that_finished_and_carries_the_others(micro_model_dir):
+    """Batch size 1 of 2 groups in flight: the first group done is taken; the other stays,
+    goes on with the next weights, and is taken by the next batch with both versions."""
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    engine = TransformersEngine(model, tokenizer, device=torch.device("cpu"))
+    engine.stop_ids = set()  # no EOS: samples end at max_new_tokens, as the test needs
+    prompts = {"short": "1+1=", "long": "12+34="}
+    parts = SimpleNamespace(
+        engine=engine,
+        tokenizer=tokenizer,
+        prompt_ids={k: tokenizer.encode(v, add_special_tokens=False) for k, v in prompts.items()},
+        train_sampling=SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, greedy=True),
+    )
+    pool = PartialPool(parts, group_size=1, batch_size=1, chunk_tokens=1, max_staleness=3)
+    assert pool.room(step=1, version=0) == 2  # two batches' worth
+    pool.add([Prompt(k, v, "") for k, v in prompts.items()])
+    pool.chunk(seed=0)  # a token each, by version 0
+    pool.groups[0].samples[0].finish = "stop"  # the short one is done; the long one is not
+    assert not pool.groups[1].done
+    [first] = pool.take()
+    assert first.prompt.id == "short" and [g.prompt.id for g in pool.groups] == ["long"]
+    engine.weight_version = 1  # the next weights (the same values: versions are what count)
+    while pool.ready() < 1:
+        pool.chunk(seed=0)
+    [rollout] = pool.rollouts(pool.take())
+    assert rollout.prompt_id == "long" and rollout.finish_reason == "length"
+    assert rollout.token_versions() == [0] + [1] * 7
+    # room: groups started with version 1 must be trained by step 5 (max_staleness 3)
+    assert pool.room(step=4, version=1) == 2 and pool.room(step=5, version=1) == 1
+    assert pool.room(step=6, version=1) == 0
+
+
+def test_every_sample_is_accounted_for_over_20_steps(tmp_path, digit_reward):
+    cfg = config(digit_reward, **PARTIAL | {"trainer.total_steps": 20, "rollout.max_new_tokens": 6})
+    run(cfg, tmp_path / "run")
+    trained = steps(tmp_path / "run")
+    assert [m["step"] for m in trained] == list(range(1, 21))
+    for m in trained:
+        assert m["samples/generated"] == 6 == sum(m[k] for k in ACCOUNTED)
+        assert 0 <= m["async/staleness"] <= 2
+        ages = sum(v for k, v in m.items() if k.startswith("partial/tokens_age"))
+        assert ages == m["response_length/mean"] * 6
+
+
+def trained_prompts(run_dir) -> dict[int, set[str]]:
+    """The rendered prompts each step trained on (samples.jsonl: every sample logged)."""
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    by_step: dict[int, set[str]] = {}
+    for sample in map(json.loads, lines):
+        by_step.setdefault(sample["step"], set()).add(sample["prompt"])
+    return by_step
+
+
+def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_reward):
+    """Stopped at step 4 (an alert: checkpoint, then stop) with batches made ahead and groups
+    in the pool: the checkpoint lists those prompts; the resumed run trains each of them,
+    and none that steps 1-4 trained."""
+    values = PARTIAL | {"monitor.log_samples": 6, "checkpoint.every": 2, "trainer.total_steps": 12}
+    stop = {"monitor.alerts": ["critic/score/mean > -1 for 4 steps -> stop"]}
+    with pytest.raises(RunStopped):
+        run(config(digit_reward, **values | stop), tmp_path / "r")
+    state = json.loads((tmp_path / "r/checkpoints/step_4/state.json").read_text())
+    requeued = state["data"]["requeue"]
+    assert requeued  # drawn before the stop, not trained by step 4
+    cfg = config(digit_reward, **values)
+    run(cfg, tmp_path / "r")  # --resume auto
+    after = trained_prompts(tmp_path / "r")
+    assert sorted(after) == list(range(1, 13))
+    first = set().union(*(after[s] for s in range(1, 5)))
+    later = [p for s in range(5, 13) for p in after[s]]
+    assert len(later) == len(set(later)) == 16 and not set(later) & first  # none doubled
+    digits = {"max_digits": cfg.data.max_digits, "min_digits": cfg.data.min_digits}
+    train = arithmetic_prompts("train", cfg.data.train_size, cfg.trainer.seed, **digits)
+    assert {train[i].prompt for i in requeued} <= set(later)  # none lost
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"schedule.mode": "one_step"}, "schedule.mode=async allows"),
+        ({"rollout.engine": "vllm"}, "not supported with rollout.engine=vllm"),
+        ({"pipeline.backend": "ray"}, "not supported with pipeline.backend=ray"),
+        ({"algorithm.routing_replay": "R3"}, "not supported with algorithm.routing_replay=R3"),
+    ],
+)
+def test_what_partial_rollouts_do_not_take_is_refused_in_one_line(overrides, message):
+    cfg = build_config(PARTIAL | overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
+
+
+def test_torchrun_is_refused(digit_reward):
+    with pytest.raises(ConfigError, match="not supported under torchrun"):
+        check_config(build_config(PARTIAL), world_size=2)
+
+
+def test_a_resumed_source_serves_the_requeued_prompts_first():
+    prompts = arithmetic_prompts("train", 10, 0)
+    source = PromptSource(prompts, 2, seed=0)
+    drawn = source.next_batch() + source.next_batch()
+    state = source.state_dict(requeue=[drawn[1], drawn[3]])  # drawn, not trained
+    again = PromptSource(prompts, 2, seed=0)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert again.next_batch(3)[:2] == [drawn[1], drawn[3]]
+    assert again.state_dict() == source.state_dict() | {"position": 5}
