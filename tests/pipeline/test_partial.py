@@ -4,14 +4,20 @@ accounting over a run; a resume neither loses nor doubles a prompt; what is refu
 
 import copy
 import json
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from honing.checkpoint import CheckpointManager
+from honing.cli import stop_on_sigterm
 from honing.config import build_config
 from honing.data import PromptSource, arithmetic_prompts
-from honing.errors import ConfigError, RunStopped
+from honing.errors import ConfigError, RunStopped, Terminated
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.pipeline.partial import PartialPool
 from honing.pipeline.rules import check_config
@@ -181,3 +187,35 @@ def test_a_resumed_source_serves_the_requeued_prompts_first():
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.next_batch(3)[:2] == [drawn[1], drawn[3]]
     assert again.state_dict() == source.state_dict() | {"position": 5}
+
+
+def test_sigterm_mid_run_then_resume_auto_neither_loses_nor_doubles(tmp_path, digit_reward):
+    """SIGTERM while samples are in flight and batches made ahead: the run ends as after
+    Ctrl-C (no save); --resume auto goes on from the last periodic checkpoint, whose cursor
+    lists the prompts drawn and not trained, and trains each once."""
+    values = PARTIAL | {"monitor.log_samples": 6, "checkpoint.every": 2, "data.train_size": 400}
+    run_dir = tmp_path / "r"
+
+    def kill_after_step_4():
+        while not (run_dir / "checkpoints" / "step_4").is_dir():
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_after_step_4, daemon=True)
+    with stop_on_sigterm(), pytest.raises(Terminated):
+        killer.start()
+        run(config(digit_reward, **values | {"trainer.total_steps": 100000}), run_dir)
+    killer.join()
+    resumed = CheckpointManager(run_dir / "checkpoints", keep=10).complete_steps()[-1]
+    state = json.loads((run_dir / f"checkpoints/step_{resumed}/state.json").read_text())
+    requeued = state["data"]["requeue"]
+    cfg = config(digit_reward, **values | {"trainer.total_steps": resumed + 6})
+    run(cfg, run_dir)  # --resume auto
+    after = trained_prompts(run_dir)
+    assert sorted(after) == list(range(1, resumed + 7))
+    every = [p for s in sorted(after) for p in after[s]]
+    assert len(every) == len(set(every))  # none trained twice
+    later = {p for s in range(resumed + 1, resumed + 7) for p in after[s]}
+    digits = {"max_digits": cfg.data.max_digits, "min_digits": cfg.data.min_digits}
+    train = arithmetic_prompts("train", cfg.data.train_size, cfg.trainer.seed, **digits)
+    assert requeued and {train[i].prompt for i in requeued} <= later  # none lost
