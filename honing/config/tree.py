@@ -252,10 +252,11 @@ class ScheduleConfig:
     # scoring run ahead with the newest weights, at most max_staleness versions behind.
     mode: str = _opt("sync", choices=("sync", "one_step", "async"))
     max_staleness: int = _opt(1, ge=0)  # async: trainer version - sampling version, at most
-    # async: a batch takes the first rollout.batch_size groups that finish; the others go on
-    # with the next weights, which reach the engine between chunks of partial_chunk_tokens
-    # tokens per sample (honing/pipeline/partial.py). A sample's staleness is its oldest
-    # token's; one that would be staler than max_staleness is ended (abort) and trained.
+    # async: a batch takes rollout.batch_size finished groups (earliest deadline first); the
+    # others go on with the next weights, which reach the engine between chunks of
+    # partial_chunk_tokens tokens per sample (honing/pipeline/partial.py). A sample's
+    # staleness is its oldest token's; one that would be staler than max_staleness if it
+    # waited is ended (abort) and trained.
     partial_rollout: bool = _opt(False)
     partial_chunk_tokens: int = _opt(16, ge=1)
 

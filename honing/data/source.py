@@ -5,9 +5,10 @@ Epoch ``e`` visits every prompt once, in an order shuffled by ``random.Random(f"
 filled from the start of the next one, so no prompt is dropped and every batch is full
 (such a batch may meet a prompt of the old epoch again in the new one). A batch larger than
 the dataset is refused: every batch would hold prompts twice (verl's loader, which drops an
-incomplete batch, has no batch at all then). The cursor (epoch, position) is all the state
-there is, so a source restored with ``load_state_dict`` yields exactly the batches the
-uninterrupted one would have.
+incomplete batch, has no batch at all then). The cursor (epoch, position) is the state, so a
+source restored with ``load_state_dict`` yields exactly the batches the uninterrupted one
+would have; a cursor may also list prompts drawn and not trained (partial rollouts), which
+the restored source serves first.
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ class PromptSource:
         if not 0 <= position <= len(self._prompts):
             raise DataError(f"the checkpoint's data cursor position {position} is out of range")
         self._start_epoch(int(state["epoch"]), position)
-        self._requeued = [int(i) for i in state.get("requeue", [])]
+        requeued = [int(i) for i in state.get("requeue", [])]
+        if any(not 0 <= i < len(self._prompts) for i in requeued):
+            raise DataError("the checkpoint's data cursor requeues prompts out of range")
+        self._requeued = requeued
 
     def _start_epoch(self, epoch: int, position: int) -> None:
         self._epoch = epoch

@@ -3,17 +3,18 @@ batch does not wait for its longest samples, and new weights reach the engine mi
 
 The generation thread keeps a pool of groups in flight, up to twice ``rollout.batch_size``
 (no more than the batches up to their deadline can take: a group must be trained within
-``schedule.max_staleness`` of its first token's version), and samples them in chunks of ``schedule.partial_chunk_tokens`` tokens: one engine call
-continues every unfinished sample by a chunk (its prompt and the tokens it has so far are
-the call's prompt: the KV cache is computed afresh under the weights the engine holds).
-Between chunks the engine loads the newest published weights, so an update reaches the
-samples at the next chunk's first token. A step's batch is the first ``batch_size`` groups
-whose samples have all finished, oldest first; the others stay in the pool and go on with
-the next weights. Every token keeps the version that produced it
-(``Rollout.version_spans``) and the logprob it was sampled with, so the loss corrects each
-token against the trainer's own (``algorithm.tis_level``); a sample's staleness is its
-oldest token's. A sample that would be trained staler than ``schedule.max_staleness`` if it
-went on is ended where it is, as ``abort``, and trained in the step being made.
+``schedule.max_staleness`` of its first token's version), and samples them in chunks of
+``schedule.partial_chunk_tokens`` tokens: one engine call continues every unfinished sample
+by a chunk (its prompt and the tokens it has so far are the call's prompt: the KV cache is
+computed afresh under the weights the engine holds). Between chunks the engine loads the
+newest published weights, so an update reaches the samples at the next chunk's first
+token. A step's batch is ``batch_size`` groups whose samples have all finished, the
+earliest deadlines first; the others stay in the pool and go on with the next weights.
+Every token keeps the version that produced it (``Rollout.version_spans``) and the logprob
+it was sampled with, so the loss corrects each token against the trainer's own
+(``algorithm.tis_level``); a sample's staleness is its oldest token's. When a batch is due,
+the samples that could not wait for a later one without going stale are ended where they
+are, as ``abort``, and trained in it.
 
 What the pool holds is regenerated after a resume: the checkpoint's data cursor lists the
 prompts drawn but not yet trained (``PromptSource`` serves them first), so none is lost or
@@ -177,8 +178,9 @@ class PartialPool:
         self.groups = [g for g in self.groups if all(g is not t for t in taken)]
         return taken
 
-    def rollouts(self, groups: list[Group]) -> list[Rollout]:
-        """The finished ``groups`` as rollouts, group ``i`` of the batch as group index i."""
+    def rollouts(self, groups: list[Group], version: int) -> list[Rollout]:
+        """The finished ``groups`` as rollouts, group ``i`` of the batch as group index i (a
+        sample with no token takes ``version``, the engine's)."""
         tokenizer = self.parts.tokenizer
         out = []
         for index, group in enumerate(groups):
@@ -192,7 +194,7 @@ class PartialPool:
                         response_ids=sample.ids,
                         behaviour_logprobs=sample.logprobs,
                         finish_reason=sample.finish,
-                        weight_version=sample.oldest if sample.spans else 0,
+                        weight_version=sample.oldest if sample.spans else version,
                         text=tokenizer.decode(sample.ids, skip_special_tokens=True),
                         gen_seconds=group.seconds,
                         version_spans=[tuple(span) for span in sample.spans],

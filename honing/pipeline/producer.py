@@ -90,6 +90,7 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._stopping = False
         self.engine_idle_s = 0.0  # generation's waits for admission, since the last take
+        self._in_hand = 0  # samples generated and not yet handed to the scorers
         self._to_score: queue.Queue = queue.Queue(maxsize=1)
         self.pool = None  # schedule.partial_rollout: the groups in flight (pipeline/partial)
         self._emitted: dict[int, list] = {}  # partial: step -> its batch's prompts
@@ -196,6 +197,7 @@ class RolloutProducer:
             scorer.close()
         with self._lock:
             held = 0 if self.pool is None else sum(len(g.samples) for g in self.pool.groups)
+            held += self._in_hand
             return held + sum(len(p.collected.rollouts) for p in self._ready.values())
 
     # -- the threads --------------------------------------------------------------------
@@ -248,9 +250,13 @@ class RolloutProducer:
             else:
                 prompts = self.parts.source.next_batch()
                 generated = generate_round(self.parts, prompts, 0, self.seed_of(step))
+            with self._lock:
+                self._in_hand = len(generated.rollouts)  # counted by close() until queued
             while not self._stopping:  # the scorer may be busy, or gone after an error
                 try:
                     self._to_score.put((step, version, generated), timeout=0.1)
+                    with self._lock:
+                        self._in_hand = 0
                     break
                 except queue.Full:
                     continue
@@ -271,6 +277,8 @@ class RolloutProducer:
                 newest = self._trained
                 pool.add(self.parts.source.next_batch(pool.room(step, newest)))
                 weights = self._published.get(newest)
+                for old in [v for v in self._published if v < newest]:
+                    del self._published[old]  # only the newest is loaded from here on
             self._load(newest, weights)
             pool.chunk(self.seed_of(step))
             if pool.ready() >= pool.batch_size:
@@ -279,7 +287,7 @@ class RolloutProducer:
         with self._lock:
             groups = pool.take()
             self._emitted[step] = [group.prompt for group in groups]
-        rollouts = pool.rollouts(groups)
+        rollouts = pool.rollouts(groups, self.engine.weight_version)
         ages: Counter = Counter()
         for rollout in rollouts:
             ages.update(step - 1 - v for v in rollout.token_versions())
@@ -294,7 +302,10 @@ class RolloutProducer:
             GenerationRequest(p.id, self.parts.prompt_ids[p.id], i) for i, p in enumerate(prompts)
         ]
         seconds = time.perf_counter() - started
-        return Generated(prompts, requests, rollouts, seconds, report=(metrics, []))
+        engine_metrics, events = self.engine.take_report()  # speculation, timeouts
+        return Generated(
+            prompts, requests, rollouts, seconds, report=(engine_metrics | metrics, events)
+        )
 
     def _score(self, parts: Components) -> None:
         while (item := self._to_score.get()) is not STOP:

@@ -19,7 +19,7 @@ from honing.config import build_config
 from honing.data import PromptSource, arithmetic_prompts
 from honing.errors import ConfigError, RunStopped, Terminated
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.pipeline.partial import PartialPool
+from honing.pipeline.partial import Group, PartialPool, Sample
 from honing.pipeline.rules import check_config
 from honing.rollout.base import SamplingParams
 from honing.rollout.transformers_engine import TransformersEngine
@@ -63,7 +63,7 @@ def test_a_sample_spanning_two_versions_keeps_each_tokens_version_and_logprob(
     while pool.ready() < 1:
         pool.chunk(seed=5)
     [group] = pool.take()
-    rollouts = pool.rollouts([group])
+    rollouts = pool.rollouts([group], engine.weight_version)
     spanned = 0
     for rollout in rollouts:
         versions = rollout.token_versions()
@@ -106,7 +106,7 @@ def test_a_batch_takes_the_groups_that_finished_and_carries_the_others(micro_mod
     engine.weight_version = 1  # the next weights (the same values: versions are what count)
     while pool.ready() < 1:
         pool.chunk(seed=0)
-    [rollout] = pool.rollouts(pool.take())
+    [rollout] = pool.rollouts(pool.take(), engine.weight_version)
     assert rollout.prompt_id == "long" and rollout.finish_reason == "length"
     assert rollout.token_versions() == [0] + [1] * 7
     # room: groups started with version 1 must be trained by step 5 (max_staleness 3)
@@ -219,3 +219,19 @@ def test_sigterm_mid_run_then_resume_auto_neither_loses_nor_doubles(tmp_path, di
     digits = {"max_digits": cfg.data.max_digits, "min_digits": cfg.data.min_digits}
     train = arithmetic_prompts("train", cfg.data.train_size, cfg.trainer.seed, **digits)
     assert requeued and {train[i].prompt for i in requeued} <= later  # none lost
+
+
+def test_groups_that_cannot_wait_are_ended_and_taken_first():
+    """Due at step 5 (version 3, max_staleness 1): ended and taken first. Due at step 6:
+    two groups for one slot, so the unfinished one is ended now too, to be taken next."""
+    pool = PartialPool(None, group_size=1, batch_size=1, chunk_tokens=1, max_staleness=1)
+
+    def group(name, version, finish):
+        sample = Sample(0, ids=[5, 6], logprobs=[-1.0, -1.0], spans=[[version, 2]], finish=finish)
+        return Group(Prompt(name, name, ""), [sample])
+
+    pool.groups = [group("late", 4, None), group("due", 3, None), group("done", 4, "stop")]
+    assert pool.end_stale(step=5) == 2
+    assert [g.prompt.id for g in pool.take()] == ["due"]
+    assert [g.prompt.id for g in pool.take()] in (["late"], ["done"])
+    assert pool.groups[0].done
