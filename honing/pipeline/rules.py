@@ -182,9 +182,10 @@ def _partial(config: Config) -> None:
     for unsupported, key, why in (
         (config.pipeline.backend == "ray", "pipeline.backend=ray", in_process),
         (
-            config.rollout.engine in ("openai", "vllm"),
-            f"rollout.engine={config.rollout.engine}",
-            in_process + " (rollout.engine=transformers)",
+            config.rollout.engine == "vllm",
+            "rollout.engine=vllm",
+            "vLLM in process is not continued chunk by chunk (rollout.engine=transformers, "
+            "or vLLM servers through rollout.engine=openai)",
         ),
         (
             config.algorithm.routing_replay == "R3",

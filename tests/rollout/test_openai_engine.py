@@ -148,17 +148,23 @@ def test_a_bad_request_is_not_retried(servers, tokenizer):
 
 
 def on_servers(servers, mode: str) -> dict:
-    """Overrides for a 3-step run that samples from ``servers`` under schedule ``mode``."""
+    """Overrides for a 3-step run that samples from ``servers`` under schedule ``mode``
+    (``async-partial``: async with partial rollouts, chunks of 2 tokens)."""
+    partial = {
+        "schedule.partial_rollout": True,
+        "schedule.partial_chunk_tokens": 2,
+        "schedule.max_staleness": 2,
+    }
     return {
         "rollout.engine": "openai",
         "rollout.endpoints": ",".join(servers),
-        "schedule.mode": mode,
+        "schedule.mode": mode.removesuffix("-partial"),
         "trainer.total_steps": 3,
         "trainer.val_at_start": False,
-    }
+    } | (partial if mode.endswith("-partial") else {})
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-partial"])
 def test_training_samples_from_the_servers_and_sends_them_each_version(
     servers, micro_model_dir, digit_reward, tmp_path, mode, run_config
 ):
@@ -180,7 +186,11 @@ def test_training_samples_from_the_servers_and_sends_them_each_version(
         )
     versions = {httpx.get(f"{url}/health").json()["weight_version"] for url in servers}
     # sync sends every version after its update; async the one step 3 was sampled with
-    assert versions == {3} if mode == "sync" else len(versions) == 1 and versions <= {1, 2}
+    # (partial: the newest published while its chunks ran)
+    if mode == "sync":
+        assert versions == {3}
+    else:
+        assert len(versions) == 1 and versions <= {0, 1, 2}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
