@@ -178,14 +178,11 @@ def _partial(config: Config) -> None:
             f"schedule.mode=async allows (sync and one_step sample each batch with one "
             f"version); set schedule.mode=async instead of {config.schedule.mode}"
         )
-    in_process = "the pool continues samples in honing's engine in the trainer's process"
     for unsupported, key, why in (
-        (config.pipeline.backend == "ray", "pipeline.backend=ray", in_process),
         (
-            config.rollout.engine == "vllm",
-            "rollout.engine=vllm",
-            "vLLM in process is not continued chunk by chunk (rollout.engine=transformers, "
-            "or vLLM servers through rollout.engine=openai)",
+            config.pipeline.backend == "ray",
+            "pipeline.backend=ray",
+            "the pool continues samples in the trainer's process",
         ),
         (
             config.algorithm.routing_replay == "R3",
