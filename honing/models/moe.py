@@ -357,9 +357,9 @@ class RoutingSession:
             changed = mixing.weights(logits, used, weights.dtype), used
         if self.record:
             self.recorded[number].append(used.detach().to(routers.index_dtype))
-        if routers.adapter.probabilities:  # the log of probabilities: logits of the same softmax
-            logits = logits.float().clamp_min(torch.finfo(torch.float32).tiny).log()
         if self.stats is not None or self.keep_logits:
+            if routers.adapter.probabilities:  # their log: logits of the same softmax
+                logits = logits.float().clamp_min(torch.finfo(torch.float32).tiny).log()
             real = self.real.to(live.device) if self.real is not None else None
             pick = (lambda t: t) if real is None else (lambda t: t[real])
             if self.stats is not None:

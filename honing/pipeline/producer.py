@@ -235,8 +235,7 @@ class RolloutProducer:
                 if self._stopping:
                     return
                 weights = self._published[version]
-                for old in [v for v in self._published if v < version]:
-                    del self._published[old]  # never needed again: versions only grow
+                self._release_before(version)
                 self.engine_idle_s += time.perf_counter() - waited
                 self._cursors[step] = self.parts.source.state_dict()
                 for old in [s for s in self._cursors if s < step - self.max_staleness - 2]:
@@ -261,6 +260,12 @@ class RolloutProducer:
                 except queue.Full:
                     continue
 
+    def _release_before(self, version: int) -> None:
+        """Drops the published weights older than ``version`` (the caller holds the lock):
+        never loaded again, as versions only grow."""
+        for old in [v for v in self._published if v < version]:
+            del self._published[old]
+
     def _load(self, version: int, weights) -> None:
         if version != self.engine.weight_version:
             # kept here until a newer version loads: the engine may read them again
@@ -277,8 +282,7 @@ class RolloutProducer:
                 newest = self._trained
                 pool.add(self.parts.source.next_batch(pool.room(step, newest)))
                 weights = self._published.get(newest)
-                for old in [v for v in self._published if v < newest]:
-                    del self._published[old]  # only the newest is loaded from here on
+                self._release_before(newest)
             self._load(newest, weights)
             pool.chunk(self.seed_of(step))
             if pool.ready() >= pool.batch_size:
