@@ -185,6 +185,13 @@ def _partial(config: Config) -> None:
             "the pool continues samples in the trainer's process",
         ),
         (
+            config.rollout.engine == "vllm",
+            "rollout.engine=vllm",
+            "vLLM's CPU attention fails when the producer's thread generates (its thread count "
+            "differs from the one the engine was built on); use rollout.engine=transformers, or "
+            "vLLM servers through rollout.engine=openai",
+        ),
+        (
             config.algorithm.routing_replay == "R3",
             "algorithm.routing_replay=R3",
             "a continued sample's routed experts are not recorded across its chunks",

@@ -162,6 +162,7 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
     "overrides, message",
     [
         ({"schedule.mode": "one_step"}, "schedule.mode=async allows"),
+        ({"rollout.engine": "vllm"}, "not supported with rollout.engine=vllm"),
         (
             {"rollout.engine": "openai", "rollout.endpoints": "http://127.0.0.1:9"},
             None,

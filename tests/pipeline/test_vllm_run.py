@@ -64,25 +64,6 @@ def test_every_step_logs_the_gap_and_vllm_follows_the_updates_and_a_resume(
         assert m["actor/grad_norm"] > 0
 
 
-def test_partial_rollouts_continue_samples_in_vllm(tmp_path, vllm_model_dir, digit_reward):
-    """async with partial rollouts through vLLM in process: chunks of 2 tokens, the prefix
-    cache dropped at each weight load (a continued sample's cache is computed afresh)."""
-    partial = {
-        "trainer.total_steps": 3,
-        "schedule.mode": "async",
-        "schedule.partial_rollout": True,
-        "schedule.max_staleness": 2,
-        "schedule.partial_chunk_tokens": 2,
-        "rollout.max_new_tokens": 6,
-    }
-    train(small_run_config(vllm_model_dir, digit_reward, **VLLM | partial), tmp_path / "run")
-    steps = _steps(tmp_path / "run")
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    for m in steps:
-        assert m["samples/generated"] == m["samples/trained"] + m["samples/stale"] == 6
-        assert m["async/staleness"] <= 2 and "partial/carried_samples" in m
-
-
 def test_a_lora_policy_reaches_vllm_merged(tmp_path, vllm_model_dir, digit_reward):
     """vLLM holds a plain model: each update's adapters arrive merged into the base weights
     (at this learning rate the adapters move the logprobs by far more than the gap)."""
