@@ -17,6 +17,7 @@ while it updates.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,8 @@ class VLLMEngine(RolloutEngine):
         self.max_seq_len = max_seq_len
         started = time.perf_counter()
         self.llm = self._start(max_seq_len, weights is not None, vocab_size)
+        self._pinned = threading.local()  # the threads given ``_threads`` (_pin_threads)
+        self._threads = self._omp_threads()
         if weights is not None:
             self.load_weights(0, weights)
         self.start_seconds = time.perf_counter() - started
@@ -217,6 +220,7 @@ class VLLMEngine(RolloutEngine):
                     f"is {min(params.max_seq_len, self.max_seq_len)} (raise it or shorten the "
                     "prompt)"
                 )
+        self._pin_threads()
         self._wake()
         # vLLM samples greedily one sequence per request: a greedy group is n requests.
         copies, n = (params.n, 1) if params.greedy else (1, params.n)
@@ -265,6 +269,7 @@ class VLLMEngine(RolloutEngine):
         processed once all its tensors have arrived), then drops the prefix cache, whose
         keys and values were computed with the old weights."""
         if weights is not None:
+            self._pin_threads()
             if self._asleep():
                 self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc(_begin_reload)
@@ -281,6 +286,25 @@ class VLLMEngine(RolloutEngine):
                     "vLLM's for this model; use rollout.engine=transformers"
                 )
         self.weight_version = version
+
+    def _pin_threads(self) -> None:
+        """Gives the calling thread the OpenMP thread count the engine was built with, once
+        per thread. A thread that never set its own reads OpenMP's process-wide default, and
+        vLLM's CPU attention checks that the count its step metadata was built with is the
+        count its kernel runs with: in a generation thread beside a training thread the two
+        differed and the step aborted (``input->metadata->thread_num == thread_num``)."""
+        if not getattr(self._pinned, "done", False):
+            self._omp_threads(self._threads)
+            self._pinned.done = True
+
+    @staticmethod
+    def _omp_threads(count: int | None = None) -> int:
+        """This thread's OpenMP thread count, after setting it to ``count`` if given."""
+        import torch
+
+        if count is not None:
+            torch.set_num_threads(count)
+        return torch.get_num_threads()
 
     def _asleep(self) -> bool:
         """Whether vLLM sleeps (asked of vLLM, so that a sleep that failed half-way is not

@@ -138,3 +138,29 @@ def test_without_vllm_the_engine_is_one_line_naming_the_extra(
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without it imports
     result = run_train(tmp_path, f"model.path={vllm_model_dir}", "rollout.engine=vllm")
     assert '".[vllm]"' in error_line(result)
+
+
+def test_partial_rollouts_continue_samples_in_vllm_beside_the_trainer(
+    tmp_path, vllm_model_dir, digit_reward
+):
+    """async with partial rollouts: the producer's thread generates through vLLM in chunks
+    while the trainer's thread trains (trainer.threads=1, so the two threads' OpenMP
+    settings differ: vLLM's CPU attention refused such a thread until the engine gave each
+    thread the count it was built with). Every sample is accounted for."""
+    values = VLLM | {
+        "schedule.mode": "async",
+        "schedule.max_staleness": 2,
+        "schedule.partial_rollout": True,
+        "schedule.partial_chunk_tokens": 2,
+        "rollout.max_new_tokens": 8,
+        "trainer.threads": 1,
+        "trainer.total_steps": 4,
+    }
+    run = tmp_path / "run"
+    train(small_run_config(vllm_model_dir, digit_reward, **values), run, resume="never", log=NO_LOG)
+    steps = _steps(run)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    for m in steps:
+        accounted = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == 6 == sum(m[k] for k in accounted)
+        assert "partial/carried_samples" in m
