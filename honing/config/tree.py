@@ -259,6 +259,10 @@ class ScheduleConfig:
     # waited is ended (abort) and trained.
     partial_rollout: bool = _opt(False)
     partial_chunk_tokens: int = _opt(16, ge=1)
+    # A continued sample's KV cache: recompute (each chunk computes it afresh with the weights
+    # of the time) or keep (the cache its earlier tokens were given, by older weights, as
+    # PipelineRL does; honing's engine on the fast decode path).
+    partial_kv: str = _opt("recompute", choices=("recompute", "keep"))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,11 @@ The generation thread keeps a pool of groups in flight, up to twice ``rollout.ba
 (no more than the batches up to their deadline can take: a group must be trained within
 ``schedule.max_staleness`` of its first token's version), and samples them in chunks of
 ``schedule.partial_chunk_tokens`` tokens: one engine call continues every unfinished sample
-by a chunk (its prompt and the tokens it has so far are the call's prompt: the KV cache is
-computed afresh under the weights the engine holds). Between chunks the engine loads the
+by a chunk (its prompt and the tokens it has so far are the call's prompt). With
+``schedule.partial_kv=recompute`` the KV cache of those tokens is computed afresh under the
+weights the engine holds; with ``keep`` each sample is a keyed request
+(``GenerationRequest.key``) and the engine goes on from the cache it kept from the last
+chunk, made by the weights of its time. Between chunks the engine loads the
 newest published weights, so an update reaches the samples at the next chunk's first
 token. A step's batch is ``batch_size`` groups whose samples have all finished, the
 earliest deadlines first; the others stay in the pool and go on with the next weights.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from honing.errors import ConfigError
 from honing.rollout.base import GenerationRequest
 from honing.seeds import round_seed
 from honing.types import Prompt, Rollout
@@ -38,6 +42,7 @@ class Sample:
     """One sample in flight: its tokens so far, their logprobs and versions."""
 
     group: int
+    index: int = 0  # in its group
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, tokens] in order
@@ -86,14 +91,30 @@ class PartialPool:
         group_size, batch_size: of the run (``rollout``).
         chunk_tokens: tokens per sample per engine call.
         max_staleness: ``schedule.max_staleness``.
+        keep_kv: ``schedule.partial_kv=keep``: continue samples from the engine's kept cache.
     """
 
     def __init__(
-        self, parts, *, group_size: int, batch_size: int, chunk_tokens: int, max_staleness: int
+        self,
+        parts,
+        *,
+        group_size: int,
+        batch_size: int,
+        chunk_tokens: int,
+        max_staleness: int,
+        keep_kv: bool = False,
     ):
+        if keep_kv and not parts.engine.keeps_kv:
+            raise ConfigError(
+                "schedule.partial_kv=keep needs an engine that keeps a sample's KV cache: "
+                "honing's engine on its fast decode path (a Llama-family policy, "
+                "rollout.fast_decode on, no rollout.speculative); use "
+                "schedule.partial_kv=recompute"
+            )
         self.parts = parts
         self.group_size, self.batch_size = group_size, batch_size
         self.chunk_tokens, self.max_staleness = chunk_tokens, max_staleness
+        self.keep_kv = keep_kv
         self.groups: list[Group] = []
         self._numbers = 0
         self.calls = 0
@@ -110,7 +131,7 @@ class PartialPool:
     def add(self, prompts: list[Prompt]) -> None:
         for prompt in prompts:
             self.groups.append(
-                Group(prompt, [Sample(self._numbers) for _ in range(self.group_size)])
+                Group(prompt, [Sample(self._numbers, k) for k in range(self.group_size)])
             )
             self._numbers += 1
 
@@ -128,7 +149,12 @@ class PartialPool:
         if not todo:
             return
         requests = [
-            GenerationRequest(g.prompt.id, self.parts.prompt_ids[g.prompt.id] + s.ids, i)
+            GenerationRequest(
+                g.prompt.id,
+                self.parts.prompt_ids[g.prompt.id] + s.ids,
+                i,
+                key=f"{s.group}/{s.index}" if self.keep_kv else None,
+            )
             for i, (g, s) in enumerate(todo)
         ]
         chunk = replace(

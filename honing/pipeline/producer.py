@@ -102,6 +102,7 @@ class RolloutProducer:
                 batch_size=rollout.batch_size,
                 chunk_tokens=schedule.partial_chunk_tokens,
                 max_staleness=self.max_staleness,
+                keep_kv=schedule.partial_kv == "keep",
             )
         count = min(self.max_staleness + 1, MAX_SCORERS)
         make = parts.make_scorer or (lambda: build_scorer(config))

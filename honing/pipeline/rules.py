@@ -168,15 +168,21 @@ def _schedule(config: Config) -> None:
 
 
 def _partial(config: Config) -> None:
-    """Partial rollouts: async alone lets a sample's tokens come from several versions, and
-    the pool continues samples in this process's engine (honing/pipeline/partial.py)."""
+    """Partial rollouts: the schedules that generate while the trainer trains let a sample's
+    tokens come from several versions; the pool continues samples in this process's engine
+    (honing/pipeline/partial.py)."""
+    keep = config.schedule.partial_kv == "keep"
     if not config.schedule.partial_rollout:
+        if keep:
+            raise ConfigError(
+                "schedule.partial_kv=keep applies to schedule.partial_rollout=true; set both"
+            )
         return
-    if config.schedule.mode != "async":
+    if config.schedule.mode == "sync":
         raise ConfigError(
-            "schedule.partial_rollout continues samples across weight updates, which "
-            f"schedule.mode=async allows (sync and one_step sample each batch with one "
-            f"version); set schedule.mode=async instead of {config.schedule.mode}"
+            "schedule.partial_rollout continues samples across weight updates while the "
+            "trainer trains, which schedule.mode=sync does not do (it generates, then trains); "
+            "set schedule.mode=async or one_step"
         )
     for unsupported, key, why in (
         (
@@ -185,11 +191,10 @@ def _partial(config: Config) -> None:
             "the pool continues samples in the trainer's process",
         ),
         (
-            config.rollout.engine == "vllm",
-            "rollout.engine=vllm",
-            "vLLM's CPU attention fails when the producer's thread generates (its thread count "
-            "differs from the one the engine was built on); use rollout.engine=transformers, or "
-            "vLLM servers through rollout.engine=openai",
+            keep and config.rollout.engine in ("vllm", "openai"),
+            f"rollout.engine={config.rollout.engine} and schedule.partial_kv=keep",
+            "honing keeps a continued sample's KV cache in its own engine only (vLLM would "
+            "need its async engine's pause(mode='keep')); use schedule.partial_kv=recompute",
         ),
         (
             config.algorithm.routing_replay == "R3",

@@ -44,11 +44,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to complete: its id, its token ids, and the group slot it fills."""
+    """One prompt to complete: its id, its token ids, and the group slot it fills.
+
+    ``key`` names a sample that later calls continue (partial rollouts): an engine that
+    ``keeps_kv`` keeps the KV cache of a keyed request it ended at its length limit, and a
+    later request with the same key whose ids extend that sample's goes on from it instead of
+    computing the cache again. A call drops what it did not use or keep."""
 
     prompt_id: str
     prompt_ids: list[int]
     group_index: int
+    key: str | None = None
 
 
 @dataclass
@@ -95,6 +101,7 @@ class RolloutEngine(ABC):
 
     weight_version: int = 0  # the policy version it samples from
     regenerated: int = 0
+    keeps_kv: bool = False  # continues keyed requests from their kept cache (see the request)
 
     def __init__(self, holds: Holding) -> None:
         self.holds = holds

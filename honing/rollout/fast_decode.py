@@ -137,20 +137,12 @@ class FastDecoder:
 
         Rows with the same prompt (a group's samples) are run once and their cache copied:
         the same keys and values, as the forward of a row depends on that row alone."""
-        inner = self.model.model
-        self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
-        self.final_norm = norm_of(inner.norm)
-        self.embedding = inner.embed_tokens.weight
-        self.lm_head = linear_params(self.model.lm_head)
+        weight = self._read_weights(positions, max_new_tokens)
         batch, prompt_len = ids.shape
-        weight = inner.embed_tokens.weight
         capacity = prompt_len + max_new_tokens
         shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
         self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=weight.device)  # [B, S]
         self.valid[:, :prompt_len] = mask.bool()
-        # cos / sin of every position a row can reach, looked up by every forward below
-        reach = torch.arange(int(positions.max()) + max_new_tokens + 1, device=weight.device)
-        self.cos, self.sin = rotary(inner.rotary_emb.inv_freq, reach, weight.dtype)  # [S', D]
         self.length = 0
         distinct, rows = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
         if len(distinct) == batch:
@@ -175,7 +167,72 @@ class FastDecoder:
             self.keys[:, :, :, :prompt_len] = keys[:, :, :, :prompt_len][:, rows]
             self.values[:, :, :, :prompt_len] = values[:, :, :, :prompt_len][:, rows]
             logits, self.hidden = logits[rows], self.hidden[rows]
+        self.decoded_from = self.length
         return logits
+
+    def resume(
+        self,
+        kept: list[tuple[torch.Tensor, torch.Tensor] | None],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """``prefill`` after a cache kept from earlier calls: row i's keys and values
+        ``kept[i]`` ([L, Hkv, n_i, D] each, as ``kept_cache`` gave them; None for a row that
+        starts afresh) come first, as they are (whatever weights made them), then its
+        left-padded ``ids`` [B, W] at ``positions`` [B, W] (n_i onwards). Returns the last
+        position's logits [B, V]."""
+        weight = self._read_weights(positions, max_new_tokens)
+        batch, width = ids.shape
+        held = max((k.shape[2] for k, _ in filter(None, kept)), default=0)
+        capacity = held + width + max_new_tokens
+        shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
+        self.keys, self.values = weight.new_zeros(shape), weight.new_zeros(shape)
+        self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=weight.device)
+        self.valid[:, :held] = False
+        for row, cache in enumerate(kept):
+            if cache is not None:  # right-aligned against the new tokens
+                count = cache[0].shape[2]
+                self.keys[:, row, :, held - count : held] = cache[0]
+                self.values[:, row, :, held - count : held] = cache[1]
+                self.valid[row, held - count : held] = True
+        self.valid[:, held : held + width] = mask.bool()
+        self.length, self.prefill_rows = held, None
+        end = held + width
+        attend = self.valid[:, None, None, :end].expand(-1, 1, width, end).clone()
+        block = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        attend[:, :, :, held:end] &= block
+        attend[:, :, :, held:end] |= torch.eye(width, dtype=torch.bool, device=ids.device)
+        logits = self._forward(ids, positions, attend)
+        self.decoded_from = self.length
+        return logits
+
+    def kept_cache(self, row: int, stepped: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s keys and values [L, Hkv, n, D] (copies): its real tokens of the
+        prefill or resume, then the first ``stepped`` tokens its decode steps fed."""
+        slots = torch.cat(
+            [
+                self.valid[row, : self.decoded_from].nonzero()[:, 0],
+                torch.arange(
+                    self.decoded_from, self.decoded_from + stepped, device=self.valid.device
+                ),
+            ]
+        )
+        return self.keys[:, row][:, :, slots], self.values[:, row][:, :, slots]
+
+    def _read_weights(self, positions: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Reads the model's weights for one generation and the cos / sin of every position
+        a row can reach; returns the embedding (its dtype and device are the cache's)."""
+        inner = self.model.model
+        self.layers = [_layer(layer) for layer in inner.layers]  # read once per generation
+        self.final_norm = norm_of(inner.norm)
+        self.embedding = inner.embed_tokens.weight
+        self.lm_head = linear_params(self.model.lm_head)
+        weight = inner.embed_tokens.weight
+        reach = torch.arange(int(positions.max()) + max_new_tokens + 1, device=weight.device)
+        self.cos, self.sin = rotary(inner.rotary_emb.inv_freq, reach, weight.dtype)  # [S', D]
+        return weight
 
     def step(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append ``token`` [B] at ``positions`` [B, 1]; the logits of the next token [B, V].

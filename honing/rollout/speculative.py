@@ -356,11 +356,12 @@ COUNTS = ("rollout/spec_drafts", "rollout/spec_draft_tokens", "rollout/spec_acce
 
 
 def merge_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
-    """Several generate calls' engine metrics as one: counts (speculation's, timeouts) summed,
+    """Several generate calls' engine metrics as one: counts (speculation's, timeouts, kept
+    cache tokens) summed,
     the acceptance recomputed from them, ``rollout/spec_enabled`` 1 if any call speculated."""
     merged: dict[str, float] = {}
     for metrics in reports:
-        for key in ("rollout/gen_timeouts", *COUNTS):
+        for key in ("rollout/gen_timeouts", "partial/kv_kept_tokens", *COUNTS):
             if key in metrics:
                 merged[key] = merged.get(key, 0.0) + metrics[key]
         if "rollout/spec_enabled" in metrics:

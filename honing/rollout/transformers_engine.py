@@ -17,6 +17,7 @@ import contextlib
 import copy
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -124,6 +125,9 @@ class TransformersEngine(RolloutEngine):
                 f"a Llama-family policy); here: {self.fast_decode_reason}"
             )
         self._report: tuple[dict[str, float], list[tuple[str, dict]]] = ({}, [])
+        # keyed requests' caches (GenerationRequest.key): the fast decoder's, without drafts
+        self.keeps_kv = self.fast_decode and speculation is None
+        self._kept: dict[str, _Kept] = {}
 
     def _decoder(self):
         return (
@@ -168,18 +172,21 @@ class TransformersEngine(RolloutEngine):
                 f"prompt {r.prompt_id} has {len(r.prompt_ids)} tokens; rollout.max_seq_len is "
                 f"{params.max_seq_len} (raise it or shorten the prompt)"
             )
+        if params.n != 1 and any(r.key is not None for r in requests):
+            raise ValueError("a keyed request is one sample to continue: sample it with n=1")
         flat = [r for r in requests for _ in range(params.n)]
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rollouts: list[Rollout] = []
         spec = self.speculation
         speculate = spec is not None and spec.should_speculate()
         stats = SpecStats()
+        kept, self._kept = self._kept, {}  # what this call leaves to continue replaces it
         for start in range(0, len(flat), self.generation_batch):
             chunk = flat[start : start + self.generation_batch]
             if speculate:
                 rollouts += self._speculate_chunk(chunk, params, generator, stats)
             else:
-                rollouts += self._generate_chunk(chunk, params, generator)
+                rollouts += self._generate_chunk(chunk, params, generator, kept)
         if spec is not None:
             self._add_report(spec.record(stats if speculate else None))
         if self.gen_timeout_s:
@@ -234,25 +241,56 @@ class TransformersEngine(RolloutEngine):
     def _deadline(self, started: float) -> float:
         return started + self.gen_timeout_s if self.gen_timeout_s else float("inf")
 
-    def _prepare(self, chunk, params: SamplingParams):
-        """Left-padded prompt ids and mask [B, P], positions, and each row's token budget."""
-        ids, mask = _left_pad([r.prompt_ids for r in chunk], self.tokenizer.pad_token_id)
+    def _prepare(self, chunk, params: SamplingParams, held: list[int] | None = None):
+        """Left-padded prompt ids and mask [B, P], positions, and each row's token budget;
+        with ``held``, each row's first ``held[i]`` tokens are in a kept cache: the rows are
+        the tokens after them, at positions from ``held[i]``."""
+        held = held or [0] * len(chunk)
+        rows = [r.prompt_ids[h:] for r, h in zip(chunk, held, strict=True)]
+        ids, mask = _left_pad(rows, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)  # [B, P]
         budget = torch.tensor(
             [min(params.max_new_tokens, params.max_seq_len - len(r.prompt_ids)) for r in chunk],
             device=self.device,
         )  # [B]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        positions = positions + torch.tensor(held, device=self.device)[:, None]
         return ids, mask, positions, budget
+
+    def _reusable(self, chunk, kept: dict[str, _Kept]) -> list[_Kept | None]:
+        """Each request's kept cache, where it has one that its ids extend."""
+        found = []
+        for r in chunk:
+            entry = kept.get(r.key) if self.keeps_kv and r.key is not None else None
+            fits = entry is not None and len(entry.ids) < len(r.prompt_ids)
+            found.append(entry if fits and r.prompt_ids[: len(entry.ids)] == entry.ids else None)
+        return found
+
+    def _keep(self, chunk, rollouts: list[Rollout], decoder) -> None:
+        """Keeps the cache of each keyed request cut at its length limit: its prompt and every
+        response token but the last (which no step has fed yet)."""
+        for row, (request, rollout) in enumerate(zip(chunk, rollouts, strict=True)):
+            if request.key is None or rollout.finish_reason != "length":
+                continue
+            fed = len(rollout.response_ids) - 1
+            keys, values = decoder.kept_cache(row, fed)
+            ids = list(request.prompt_ids) + rollout.response_ids[:fed]
+            self._kept[request.key] = _Kept(ids, keys, values)
 
     @torch.no_grad()
     def _generate_chunk(
-        self, chunk: list[GenerationRequest], params: SamplingParams, generator: torch.Generator
+        self,
+        chunk: list[GenerationRequest],
+        params: SamplingParams,
+        generator: torch.Generator,
+        kept: dict[str, _Kept],
     ) -> list[Rollout]:
         started = time.perf_counter()
         pad = self.tokenizer.pad_token_id
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
-        ids, mask, positions, budget = self._prepare(chunk, params)
+        reuse = self._reusable(chunk, kept)
+        held = [len(entry.ids) if entry else 0 for entry in reuse]
+        ids, mask, positions, budget = self._prepare(chunk, params, held)
         was_training = self.model.training
         if not self.fast_decode:  # the fast decoder runs no dropout: no mode switch to pay
             self.model.eval()
@@ -260,7 +298,12 @@ class TransformersEngine(RolloutEngine):
         routers = routers_of(self.model)  # an MoE policy: record each token's experts
         session = routers.session(record=True) if routers else contextlib.nullcontext()
         with session:
-            logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
+            if any(held):  # continued samples: their kept caches, then their new tokens
+                caches = [(e.keys, e.values) if e else None for e in reuse]
+                logits = decoder.resume(caches, ids, mask, positions, int(budget.max()))
+                self._add_report(({"partial/kv_kept_tokens": float(sum(held))}, []))
+            else:
+                logits = decoder.prefill(ids, mask, positions, int(budget.max()))  # [B, V]
             tokens, logprobs = [], []
             done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
             deadline, cut = self._deadline(started), None
@@ -288,8 +331,10 @@ class TransformersEngine(RolloutEngine):
             seconds,
             cut,
         )
-        if routers:
+        if routers and not any(held):  # a resumed prompt's experts are in earlier calls
             _attach_experts(rollouts, session, getattr(decoder, "prefill_rows", None), ids.shape)
+        if self.keeps_kv:
+            self._keep(chunk, rollouts, decoder)
         return rollouts
 
     @staticmethod
@@ -339,6 +384,16 @@ class TransformersEngine(RolloutEngine):
                 )
             )
         return rollouts
+
+
+@dataclass
+class _Kept:
+    """A keyed sample's cache: the token ids fed so far and their keys and values
+    [L, Hkv, len(ids), D], as the weights of their time made them."""
+
+    ids: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def _attach_experts(rollouts: list[Rollout], session, prefill_rows, shape) -> None:

@@ -84,9 +84,13 @@ def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
         ({"trainer.strategy": "fsdp"}, 1, "fsdp"),
         ({"rollout.vllm_sleep": True, "schedule.mode": "async"}, 1, "vllm_sleep"),
         (
-            {"schedule.mode": "async", "schedule.partial_rollout": True},
+            {
+                "schedule.mode": "async",
+                "schedule.partial_rollout": True,
+                "schedule.partial_kv": "keep",
+            },
             1,
-            "schedule.partial_rollout",
+            "schedule.partial_kv=keep",
         ),
     ],
 )

@@ -161,11 +161,28 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"schedule.mode": "one_step"}, "schedule.mode=async allows"),
-        ({"rollout.engine": "vllm"}, "not supported with rollout.engine=vllm"),
+        ({"schedule.mode": "sync"}, "set schedule.mode=async or one_step"),
+        ({"schedule.mode": "one_step"}, None),
+        ({"rollout.engine": "vllm"}, None),
+        (
+            {"rollout.engine": "vllm", "schedule.partial_kv": "keep"},
+            "not supported with rollout.engine=vllm and schedule.partial_kv=keep",
+        ),
         (
             {"rollout.engine": "openai", "rollout.endpoints": "http://127.0.0.1:9"},
             None,
+        ),
+        (
+            {
+                "rollout.engine": "openai",
+                "rollout.endpoints": "http://127.0.0.1:9",
+                "schedule.partial_kv": "keep",
+            },
+            "use schedule.partial_kv=recompute",
+        ),
+        (
+            {"schedule.partial_rollout": False, "schedule.partial_kv": "keep"},
+            "applies to schedule.partial_rollout=true",
         ),
         ({"pipeline.backend": "ray"}, "not supported with pipeline.backend=ray"),
         ({"algorithm.routing_replay": "R3"}, "not supported with algorithm.routing_replay=R3"),
@@ -173,7 +190,7 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
 )
 def test_what_partial_rollouts_do_not_take_is_refused_in_one_line(overrides, message):
     cfg = build_config(PARTIAL | overrides)
-    if message is None:  # servers through the OpenAI API take it
+    if message is None:  # taken
         check_config(cfg)
         return
     with pytest.raises(ConfigError, match=message):
@@ -242,3 +259,38 @@ def test_groups_that_cannot_wait_are_ended_and_taken_first():
     assert [g.prompt.id for g in pool.take()] == ["due"]
     assert [g.prompt.id for g in pool.take()] in (["late"], ["done"])
     assert pool.groups[0].done
+
+
+@pytest.mark.parametrize(
+    "mode, kv", [("async", "keep"), ("one_step", "recompute")], ids=["async-keep", "one_step"]
+)
+def test_a_run_on_honings_engine_continues_samples(
+    tmp_path, micro_model_dir, digit_reward, mode, kv
+):
+    """A 6-step run of the micro model in chunks of 2 tokens: every sample is accounted
+    for; under async samples are carried across versions, and with partial_kv=keep the
+    engine continued them from their kept caches. one_step holds max_staleness at 1, where a
+    generator faster than the trainer has no batch to carry a sample to (docs)."""
+    from honing.backends.launch import train
+
+    from ._configs import small_run_config
+
+    values = PARTIAL | {
+        "schedule.mode": mode,
+        "schedule.partial_kv": kv,
+        "schedule.partial_chunk_tokens": 2,
+        "rollout.max_new_tokens": 8,
+        "trainer.total_steps": 6,
+        "trainer.val_at_start": False,
+    }
+    cfg = small_run_config(micro_model_dir, digit_reward, **values)
+    train(cfg, tmp_path / "run", log=lambda message: None)
+    trained = steps(tmp_path / "run")
+    assert [m["step"] for m in trained] == list(range(1, 7))
+    for m in trained:
+        assert m["samples/generated"] == 6 == sum(m[k] for k in ACCOUNTED)
+        assert m["async/staleness"] <= (2 if mode == "async" else 1)
+    kept = sum(m.get("partial/kv_kept_tokens", 0) for m in trained)
+    assert (kept > 0) == (kv == "keep")
+    if mode == "async":
+        assert sum(m["partial/multi_version_samples"] for m in trained) > 0

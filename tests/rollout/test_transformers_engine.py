@@ -5,7 +5,9 @@ tokens with one unpadded-by-row forward pass. These tests check that both see th
 distribution, token for token, so that the behaviour logprobs carried by a rollout are exact.
 """
 
+import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -318,3 +320,84 @@ def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf(extra):
     assert (tokens != want).sum() <= 2  # only float64 rounding at a boundary may differ
     assert (probs.gather(-1, tokens[:, None]) > 0).all()
     assert (tokens[:100] == SAMPLE_BLOCK * 2 + 3).all()
+
+
+def _continue(engine, tokenizer, params, chunks, key="s", between=None):
+    """One sample per prompt continued over ``chunks`` calls of ``params.max_new_tokens``
+    tokens (keyed by ``key``, or not when None); ``between(i)`` runs after call i."""
+    prompts = {f"p{i}": tokenizer.encode(text) for i, text in enumerate(PROMPTS)}
+    made = {p: ([], []) for p in prompts}
+    going = set(prompts)
+    for call in range(chunks):
+        requests = [
+            GenerationRequest(p, ids + made[p][0], i, key=None if key is None else f"{key}{p}")
+            for i, (p, ids) in enumerate(prompts.items())
+            if p in going
+        ]
+        for rollout in engine.generate(requests, replace(params, seed=call)):
+            made[rollout.prompt_id][0].extend(rollout.response_ids)
+            made[rollout.prompt_id][1].extend(rollout.behaviour_logprobs)
+            if rollout.finish_reason != "length":
+                going.discard(rollout.prompt_id)
+        if between is not None:
+            between(call)
+    return prompts, made
+
+
+def test_a_kept_cache_continues_a_sample_as_one_call_would(model, tokenizer):
+    """Greedy samples continued 2 tokens at a time from their kept caches equal one call of
+    8 tokens, token for token; unkeyed, every call computes the cache again, with the same
+    tokens."""
+    engine = TransformersEngine(model, tokenizer, device=CPU)
+    assert engine.keeps_kv
+    whole = SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, greedy=True)
+    once = {r.prompt_id: r for r in engine.generate(requests_for(tokenizer), whole)}
+    engine.take_report()
+    for key in ("kept", None):
+        _, made = _continue(engine, tokenizer, replace(whole, max_new_tokens=2), 4, key=key)
+        kept = engine.take_report()[0].get("partial/kv_kept_tokens", 0)
+        assert (kept > 0) == (key is not None)
+        for prompt_id, (ids, logprobs) in made.items():
+            length = len(once[prompt_id].response_ids)
+            assert ids[:length] == once[prompt_id].response_ids
+            torch.testing.assert_close(
+                torch.tensor(logprobs[:length]),
+                torch.tensor(once[prompt_id].behaviour_logprobs),
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+def test_after_new_weights_a_kept_sample_goes_on_from_the_old_weights_cache(model, tokenizer):
+    """Two tokens with the old weights, new weights, then 3 more: each later token's logprob
+    is the new model's with the old model's cache of the earlier tokens (built here with
+    the models' own forward and KV cache), and differs from the new model's own forward."""
+    old = copy.deepcopy(model)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    engine = TransformersEngine(copy.deepcopy(old), tokenizer, device=CPU)
+    state = [[(n, t.detach().clone()) for n, t in new.state_dict().items()]]
+    params = SamplingParams(n=1, max_new_tokens=2, max_seq_len=64, temperature=0.9)
+
+    def update(call):
+        if call == 0:
+            engine.load_weights(1, state)
+
+    prompts, made = _continue(engine, tokenizer, params, 2, between=update)
+    cache_arg = engine._cache_arg
+    checked = 0
+    for prompt_id, (ids, logprobs) in made.items():
+        if len(ids) < 3:  # ended in its first chunk: nothing continued
+            continue
+        prompt = prompts[prompt_id]
+        with torch.no_grad():
+            cache = old(torch.tensor([prompt + ids[:1]]), use_cache=True)[cache_arg]
+            logits = new(torch.tensor([ids[1:-1]]), use_cache=True, **{cache_arg: cache}).logits
+        later = (logits[0].float() / 0.9).log_softmax(-1).gather(-1, torch.tensor(ids[2:])[:, None])
+        torch.testing.assert_close(torch.tensor(logprobs[2:]), later[:, 0], atol=2e-5, rtol=0)
+        recomputed = full_forward_logprobs(new, prompt, ids, temperature=0.9)[2:]
+        assert (recomputed - later[:, 0]).abs().max() > 1e-3  # the kept cache made a difference
+        checked += 1
+    assert checked >= 2
