@@ -12,7 +12,10 @@ figures are medians over rounds:
 - generated tokens per second: the response tokens of the trained batches over the
   training time (first step's start to the last step's end);
 - the trainer's idle time per step (``timing_s/trainer_idle``: waiting for a batch);
-- the engine's idle time per step (``timing_s/engine_idle``: waiting for admission).
+- the engine's idle time per step (``timing_s/engine_idle``: waiting for admission);
+- with ``schedule.partial_kv=keep``: the cache tokens continued samples reused per step
+  (``partial/kv_kept_tokens``), and for every schedule the engine/trainer gap of the trained
+  tokens (``rollout_mismatch/kl``), which keeping an older cache widens.
 
     .venv/bin/python -m benchmarks.partial [--steps 30] [--rounds 2]
     .venv/bin/python -m benchmarks.partial learn [--seeds 2]   # the demo: learning parity
@@ -53,6 +56,31 @@ MODES = {
     "async + partial": [
         "schedule.mode=async",
         "schedule.max_staleness=2",
+        "schedule.partial_rollout=true",
+        "schedule.partial_chunk_tokens=8",
+    ],
+    "async + partial, keep KV": [
+        "schedule.mode=async",
+        "schedule.max_staleness=2",
+        "schedule.partial_rollout=true",
+        "schedule.partial_chunk_tokens=8",
+        "schedule.partial_kv=keep",
+    ],
+    "async + partial, chunks of 2": [
+        "schedule.mode=async",
+        "schedule.max_staleness=2",
+        "schedule.partial_rollout=true",
+        "schedule.partial_chunk_tokens=2",
+    ],
+    "async + partial, chunks of 2, keep KV": [
+        "schedule.mode=async",
+        "schedule.max_staleness=2",
+        "schedule.partial_rollout=true",
+        "schedule.partial_chunk_tokens=2",
+        "schedule.partial_kv=keep",
+    ],
+    "one_step + partial": [
+        "schedule.mode=one_step",
         "schedule.partial_rollout=true",
         "schedule.partial_chunk_tokens=8",
     ],
@@ -113,6 +141,8 @@ def run_once(mode: str, model: Path, steps: int, workdir: Path) -> dict:
         "length_max": max(m["response_length/max"] for m in metrics),
         "stale": sum(m["samples/stale"] for m in metrics),
         "multi_version": sum(m.get("partial/multi_version_samples", 0) for m in metrics),
+        "kv_kept": statistics.fmean(m.get("partial/kv_kept_tokens", 0) for m in metrics),
+        "mismatch_kl": statistics.fmean(m.get("rollout_mismatch/kl", 0.0) for m in metrics),
         "accuracy": statistics.fmean(m["critic/score/mean"] for m in metrics[-5:]),
     }
 
@@ -183,7 +213,7 @@ def main() -> None:
             f"{med('engine_idle_s'):.3f} | {med('length_mean'):.1f} / "
             f"{med('length_median'):.0f} / {max(r['length_max'] for r in results):.0f} | "
             f"{med('ended'):.0f} | {sum(r['stale'] for r in results)} | "
-            f"{med('multi_version'):.0f} |"
+            f"{med('multi_version'):.0f} | {med('kv_kept'):.0f} | {med('mismatch_kl'):.2e} |"
         )
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     command = f"python -m benchmarks.partial --steps {args.steps} --rounds {args.rounds}"
@@ -193,8 +223,8 @@ def main() -> None:
         "| schedule | generated tokens/s | vs async | s/step | trainer idle s/step | "
         "engine idle s/step | trained response length mean / median / max | samples "
         "ended at their deadline (per run) | stale samples | samples over two versions "
-        "(per run) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(per run) | KV tokens kept per step | rollout_mismatch/kl, mean |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
     RESULTS.mkdir(parents=True, exist_ok=True)
