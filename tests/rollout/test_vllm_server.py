@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -22,9 +23,11 @@ pytest.importorskip("vllm")
 from honing.cli import main as honing_main  # noqa: E402
 from honing.errors import ConfigError  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from honing.pipeline.partial import PartialPool  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream  # noqa: E402
 from honing.rollout.openai_engine import EngineUnavailable, OpenAIEngine  # noqa: E402
 from honing.services.process import free_port  # noqa: E402
+from honing.types import Prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -220,6 +223,78 @@ def test_training_samples_from_the_server_and_sends_it_each_version(
         # the server sampled from the policy the trainer had: its weights arrived whole
         assert m["rollout_mismatch/logprob_diff_max"] < LOGPROB_ATOL
     assert server.weight_version() == "3"
+
+
+def test_partial_samples_go_on_after_new_weights_with_each_tokens_logprob(
+    server, vllm_model_dir, tokenizer, tmp_path
+):
+    """Partial rollouts against the server: two tokens per sample by the served weights,
+    new weights through the RL API, and the samples go on in chunks of two: each token's
+    logprob is its own version's (teacher forced here) and its version is recorded."""
+    old = policy(vllm_model_dir, tokenizer)
+    new = perturbed(policy(vllm_model_dir, tokenizer), seed=7)
+    engine = engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path))
+    requests = requests_for(tokenizer)
+    parts = SimpleNamespace(
+        engine=engine,
+        tokenizer=tokenizer,
+        prompt_ids={r.prompt_id: r.prompt_ids for r in requests},
+        train_sampling=SamplingParams(n=4, max_new_tokens=8, max_seq_len=64, seed=1),
+    )
+    pool = PartialPool(parts, group_size=4, batch_size=3, chunk_tokens=2, max_staleness=2)
+    pool.add([Prompt(r.prompt_id, "", "") for r in requests])
+    try:
+        pool.chunk(seed=5)
+        engine.load_weights(1, buckets(new))
+        while pool.ready() < 3:
+            pool.chunk(seed=5)
+    finally:
+        engine.load_weights(0, buckets(policy(vllm_model_dir, tokenizer)))
+    spanned = 0
+    for rollout in pool.rollouts(pool.take(), 1):
+        versions = torch.tensor(rollout.token_versions())
+        assert set(versions[:2].tolist()) == {0} and set(versions[2:].tolist()) <= {1}
+        spanned += len(rollout.version_spans) > 1
+        got = torch.tensor(rollout.behaviour_logprobs)
+        for model, version in ((old, 0), (new, 1)):
+            want = teacher_forced(model, rollout.prompt_ids, rollout.response_ids)
+            at = versions == version
+            torch.testing.assert_close(got[at], want[at], atol=LOGPROB_ATOL, rtol=0)
+    assert spanned >= 1
+
+
+def test_an_async_partial_run_samples_from_the_server(
+    server, vllm_model_dir, digit_reward, tmp_path, run_config
+):
+    """async with partial rollouts on the server: chunks of 2 tokens, the weights sent
+    between chunks; every sample is accounted for. (Whether a sample spans two versions in
+    a run depends on which side is faster; the test above makes one span.)"""
+    from honing.backends.launch import train
+
+    overrides = {
+        "rollout.engine": "openai",
+        "rollout.endpoints": server.url,
+        "rollout.weight_sync": "vllm",
+        "rollout.max_new_tokens": 8,
+        "schedule.mode": "async",
+        "schedule.max_staleness": 2,
+        "schedule.partial_rollout": True,
+        "schedule.partial_chunk_tokens": 2,
+        "trainer.total_steps": 4,
+        "trainer.val_at_start": False,
+    }
+    train(
+        run_config(vllm_model_dir, digit_reward, **overrides),
+        tmp_path / "run",
+        log=lambda message: None,
+    )
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts) > 0
+        assert "partial/carried_samples" in m  # sampled by the pool, in chunks
 
 
 def test_a_killed_server_is_set_aside_then_sent_the_newest_weights(
