@@ -194,6 +194,10 @@ class TrainerConfig:
     ppo_epochs: int = _opt(1, ge=1)
     mini_batch_size: int = _opt(0, ge=0)  # prompts per optimizer step; 0 = the whole batch
     micro_batch_size: int = _opt(64, ge=1)  # sequences per forward/backward
+    # Tokens per forward/backward instead (0 = off): rows x the longest row's prompt width +
+    # response, what the padded forward runs (the packed one runs no more); a longer row goes
+    # alone; under torchrun each rank gets about as many tokens (the rows dealt by length)
+    max_tokens_per_micro: int = _opt(0, ge=0)
     grad_clip: float = _opt(1.0, ge=0.0)  # 0 = no clipping
     critic_lr: float = _opt(1e-5, gt=0.0)  # gae: the critic's own AdamW learning rate
     critic_warmup_steps: int = _opt(0, ge=0)  # gae: steps that train only the critic
@@ -261,7 +265,7 @@ class ScheduleConfig:
     partial_chunk_tokens: int = _opt(16, ge=1)
     # A continued sample's KV cache: recompute (each chunk computes it afresh with the weights
     # of the time) or keep (the cache its earlier tokens were given, by older weights, as
-    # PipelineRL does; honing's engine on the fast decode path).
+    # PipelineRL does; honing's engine on the fast decode path, vLLM in process).
     partial_kv: str = _opt("recompute", choices=("recompute", "keep"))
 
 

@@ -145,6 +145,7 @@ def update_settings(config: Config) -> UpdateSettings:
         ppo_epochs=trainer.ppo_epochs,
         mini_batch_sequences=trainer.mini_batch_size * config.rollout.group_size,
         micro_batch_size=trainer.micro_batch_size,
+        max_tokens_per_micro=trainer.max_tokens_per_micro,
         grad_clip=trainer.grad_clip,
         temperature=config.rollout.temperature,
         clip_ratio_c=algo.clip_ratio_c,
@@ -426,6 +427,8 @@ def vllm_engine(
         max_num_seqs=rollout.generation_batch,
         dtype=dtype,
         seed=config.trainer.seed,
+        # partial rollouts keeping a sample's cache keep its vLLM request alive instead
+        prefix_caching=config.schedule.partial_kv != "keep",
     )
     try:
         return VLLMEngine(

@@ -53,7 +53,6 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
         (algo.routing_replay == "R3", "routing replay R3"),
         (config.trainer.strategy == "fsdp", "trainer.strategy=fsdp"),
         (rollout.vllm_sleep and config.schedule.mode != "sync", "vllm_sleep off sync"),
-        (config.schedule.partial_kv == "keep", "schedule.partial_kv=keep"),
     )
     for yes, what in blocked:
         if yes:

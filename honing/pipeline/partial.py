@@ -107,8 +107,8 @@ class PartialPool:
         if keep_kv and not parts.engine.keeps_kv:
             raise ConfigError(
                 "schedule.partial_kv=keep needs an engine that keeps a sample's KV cache: "
-                "honing's engine on its fast decode path (a Llama-family policy, "
-                "rollout.fast_decode on, no rollout.speculative); use "
+                "vLLM in process, or honing's engine on its fast decode path (a Llama-family "
+                "policy, rollout.fast_decode on, no rollout.speculative); use "
                 "schedule.partial_kv=recompute"
             )
         self.parts = parts

@@ -191,10 +191,10 @@ def _partial(config: Config) -> None:
             "the pool continues samples in the trainer's process",
         ),
         (
-            keep and config.rollout.engine in ("vllm", "openai"),
-            f"rollout.engine={config.rollout.engine} and schedule.partial_kv=keep",
-            "honing keeps a continued sample's KV cache in its own engine only (vLLM would "
-            "need its async engine's pause(mode='keep')); use schedule.partial_kv=recompute",
+            keep and config.rollout.engine == "openai",
+            "rollout.engine=openai and schedule.partial_kv=keep",
+            "a server computes a continued sample's cache afresh (a vLLM server's weight "
+            "sync clears it); use schedule.partial_kv=recompute",
         ),
         (
             config.algorithm.routing_replay == "R3",

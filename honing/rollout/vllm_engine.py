@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from honing.rollout.base import (
+    EngineReport,
     GenerationRequest,
     Holding,
     RolloutEngine,
     SamplingParams,
     WeightBuckets,
 )
+from honing.rollout.vllm_live import LiveRequests
 from honing.rollout.vllm_weights import begin_reload, finish_reload, load_pieces
 from honing.seeds import request_seed
 from honing.types import Rollout
@@ -45,7 +47,8 @@ INSTALL_HINT = (
 class VLLMSettings:
     """How vLLM runs: its KV cache (CPU: bytes reserved; CUDA: 0 lets
     ``gpu_memory_utilization`` size it), eager or compiled (CUDA graphs), CUDA's share of the
-    GPU and sleep mode between generations, sequences in flight, the weights' dtype."""
+    GPU and sleep mode between generations, sequences in flight, the weights' dtype; the
+    prefix cache (off: the engine keeps live requests' caches across updates, ``keeps_kv``)."""
 
     kv_cache_mb: int = 256
     enforce_eager: bool = True
@@ -54,6 +57,7 @@ class VLLMSettings:
     max_num_seqs: int = 256
     dtype: str = "float32"
     seed: int = 0
+    prefix_caching: bool = True
 
 
 def vllm_available() -> str | None:
@@ -164,6 +168,9 @@ class VLLMEngine(RolloutEngine):
         self.llm = self._start(max_seq_len, weights is not None, vocab_size)
         self._pinned = threading.local()  # the threads given ``_threads`` (_pin_threads)
         self._threads = self._omp_threads()
+        # without a prefix cache: keyed requests stay alive between calls (vllm_live.py)
+        self.keeps_kv = not self.settings.prefix_caching
+        self._live = LiveRequests(self.llm, self._live_sampling)
         if weights is not None:
             self.load_weights(0, weights)
         self.start_seconds = time.perf_counter() - started
@@ -201,6 +208,7 @@ class VLLMEngine(RolloutEngine):
                 max_num_seqs=s.max_num_seqs,
                 seed=s.seed,
                 logprobs_mode="processed_logprobs",
+                enable_prefix_caching=s.prefix_caching,
                 **options,
             )
         finally:  # a vLLM server started from this process later spawns its own
@@ -222,6 +230,9 @@ class VLLMEngine(RolloutEngine):
                 )
         self._pin_threads()
         self._wake()
+        if self.keeps_kv and any(r.key is not None for r in requests):
+            return self._continue(requests, params)
+        self._live.drop()  # a call drops the live requests it does not continue
         # vLLM samples greedily one sequence per request: a greedy group is n requests.
         copies, n = (params.n, 1) if params.greedy else (1, params.n)
         flat = [r for r in requests for _ in range(copies)]
@@ -242,6 +253,36 @@ class VLLMEngine(RolloutEngine):
         ]
         self._rest()
         return rollouts
+
+    def _continue(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        """A chunk of each keyed request, continued in vLLM over its kept cache."""
+        if params.n != 1 or any(r.key is None for r in requests):
+            raise ValueError("keyed requests are single samples to continue: all keyed, n=1")
+        started = time.perf_counter()
+        made = self._live.generate(requests, params, self.max_seq_len)
+        seconds = time.perf_counter() - started
+        return [
+            Rollout(
+                prompt_id=r.prompt_id,
+                group_index=r.group_index,
+                prompt_ids=list(r.prompt_ids),
+                response_ids=m.ids,
+                behaviour_logprobs=m.logprobs,
+                finish_reason=m.finish,
+                weight_version=self.weight_version,
+                text=self.tokenizer.decode(m.ids, skip_special_tokens=True),
+                gen_seconds=seconds,
+            )
+            for r, m in zip(requests, made, strict=True)
+        ]
+
+    def take_report(self) -> EngineReport:
+        """The cache tokens that continued samples went on from since the last take."""
+        kept, self._live.kept_tokens = self._live.kept_tokens, 0
+        return ({"partial/kv_kept_tokens": float(kept)} if kept else {}), []
+
+    def _live_sampling(self, params: SamplingParams, max_tokens: int, seed: int):
+        return _vllm_sampling(params, max_tokens, seed, self.stop_ids, 1)
 
     def _rollout(self, request: GenerationRequest, completion, seconds: float) -> Rollout:
         ids = list(completion.token_ids)
@@ -278,7 +319,8 @@ class VLLMEngine(RolloutEngine):
                 [names] = self.llm.collective_rpc(_load_bucket, args=(list(bucket),))
                 loaded |= names
             [expected] = self.llm.collective_rpc(_finish_reload)
-            self.llm.reset_prefix_cache()
+            if self.settings.prefix_caching:
+                self.llm.reset_prefix_cache()
             if missing := sorted(expected - loaded):
                 raise ValueError(
                     f"vLLM's model got no weights for {len(missing)} of its parameters (e.g. "
@@ -328,4 +370,5 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
+            self._live.drop()
             llm.llm_engine.engine_core.shutdown()

@@ -83,15 +83,6 @@ def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
         ({}, 2, "torchrun"),
         ({"trainer.strategy": "fsdp"}, 1, "fsdp"),
         ({"rollout.vllm_sleep": True, "schedule.mode": "async"}, 1, "vllm_sleep"),
-        (
-            {
-                "schedule.mode": "async",
-                "schedule.partial_rollout": True,
-                "schedule.partial_kv": "keep",
-            },
-            1,
-            "schedule.partial_kv=keep",
-        ),
     ],
 )
 def test_settings_vllm_cannot_take_keep_honing_s_engine(

@@ -164,10 +164,7 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
         ({"schedule.mode": "sync"}, "set schedule.mode=async or one_step"),
         ({"schedule.mode": "one_step"}, None),
         ({"rollout.engine": "vllm"}, None),
-        (
-            {"rollout.engine": "vllm", "schedule.partial_kv": "keep"},
-            "not supported with rollout.engine=vllm and schedule.partial_kv=keep",
-        ),
+        ({"rollout.engine": "vllm", "schedule.partial_kv": "keep"}, None),
         (
             {"rollout.engine": "openai", "rollout.endpoints": "http://127.0.0.1:9"},
             None,
@@ -294,3 +291,14 @@ def test_a_run_on_honings_engine_continues_samples(
     assert (kept > 0) == (kv == "keep")
     if mode == "async":
         assert sum(m["partial/multi_version_samples"] for m in trained) > 0
+
+
+def test_keeping_the_cache_needs_an_engine_that_keeps_it(micro_model_dir):
+    tokenizer = load_tokenizer(micro_model_dir)
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    slow = TransformersEngine(model, tokenizer, device=torch.device("cpu"), fast_decode=False)
+    parts = SimpleNamespace(engine=slow)
+    with pytest.raises(ConfigError, match="use schedule.partial_kv=recompute"):
+        PartialPool(
+            parts, group_size=2, batch_size=1, chunk_tokens=2, max_staleness=2, keep_kv=True
+        )

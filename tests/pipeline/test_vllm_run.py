@@ -143,15 +143,17 @@ def test_without_vllm_the_engine_is_one_line_naming_the_extra(
 def test_partial_rollouts_continue_samples_in_vllm_beside_the_trainer(
     tmp_path, vllm_model_dir, digit_reward
 ):
-    """async with partial rollouts: the producer's thread generates through vLLM in chunks
-    while the trainer's thread trains (trainer.threads=1, so the two threads' OpenMP
-    settings differ: vLLM's CPU attention refused such a thread until the engine gave each
-    thread the count it was built with). Every sample is accounted for."""
+    """async with partial rollouts keeping the samples' caches: the producer's thread
+    generates through vLLM in chunks while the trainer's thread trains (trainer.threads=1, so
+    the two threads' OpenMP settings differ: vLLM's CPU attention refused such a thread until
+    the engine gave each thread the count it was built with). Every sample is accounted
+    for, and continued samples went on from their kept vLLM requests."""
     values = VLLM | {
         "schedule.mode": "async",
         "schedule.max_staleness": 2,
         "schedule.partial_rollout": True,
         "schedule.partial_chunk_tokens": 2,
+        "schedule.partial_kv": "keep",
         "rollout.max_new_tokens": 8,
         "trainer.threads": 1,
         "trainer.total_steps": 4,
@@ -164,3 +166,4 @@ def test_partial_rollouts_continue_samples_in_vllm_beside_the_trainer(
         accounted = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
         assert m["samples/generated"] == 6 == sum(m[k] for k in accounted)
         assert "partial/carried_samples" in m
+    assert sum(m.get("partial/kv_kept_tokens", 0) for m in steps) > 0

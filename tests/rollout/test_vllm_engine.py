@@ -10,6 +10,9 @@ that did not arrive (the tied output head kept its old weights) differed by 1.4 
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,6 +35,7 @@ from tests.models.moe_models import moe_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-3  # nats; see the module's docstring
+KEPT = 1e-4  # nats: a kept cache's tokens after one update (measured 1e-6)
 
 
 def _qwen2(tokenizer):
@@ -239,3 +243,103 @@ def test_torch_threads_stay_the_trainer_s_to_set(llama):
         assert torch.get_num_threads() == wanted
     finally:
         torch.set_num_threads(before)
+
+
+def _chunks(engine, requests, params, calls, between=None):
+    """Each request continued as one keyed sample over ``calls`` calls of
+    ``params.max_new_tokens`` tokens; ``between(i)`` runs after call i."""
+    made = {r.prompt_id: ([], []) for r in requests}
+    going = {r.prompt_id for r in requests}
+    for call in range(calls):
+        keyed = [
+            GenerationRequest(r.prompt_id, r.prompt_ids + made[r.prompt_id][0], i, key=r.prompt_id)
+            for i, r in enumerate(requests)
+            if r.prompt_id in going
+        ]
+        if not keyed:
+            break
+        for rollout in engine.generate(keyed, params):
+            made[rollout.prompt_id][0].extend(rollout.response_ids)
+            made[rollout.prompt_id][1].extend(rollout.behaviour_logprobs)
+            if rollout.finish_reason != "length":
+                going.discard(rollout.prompt_id)
+        if between is not None:
+            between(call)
+    return made
+
+
+@pytest.fixture(scope="module")
+def keeping(model_dirs):
+    """A vLLM engine without a prefix cache: it keeps keyed samples alive between calls."""
+    directory = model_dirs["llama"]
+    tokenizer = load_tokenizer(directory)
+    policy = load_causal_lm(directory, tokenizer, dtype="float32", device=torch.device("cpu"))
+    engine = VLLMEngine(
+        directory,
+        tokenizer,
+        stop_ids=stop_token_ids(policy, tokenizer),
+        max_seq_len=64,
+        settings=VLLMSettings(kv_cache_mb=16, max_num_seqs=64, prefix_caching=False),
+    )
+    assert engine.keeps_kv
+    yield tokenizer, policy.eval(), engine
+    engine.close()
+
+
+def test_a_kept_vllm_sample_continues_as_one_call_would(keeping):
+    """Samples continued a token per call in vLLM's engine (its requests kept alive) make the
+    tokens of one call, with the same logprobs."""
+    tokenizer, _, engine = keeping
+    params = SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, temperature=0.8, seed=3)
+    requests = _requests(tokenizer)
+    once = {r.prompt_id: r for r in engine.generate(requests, params)}
+    made = _chunks(engine, requests, replace(params, max_new_tokens=1), 8)
+    for prompt_id, (ids, logprobs) in made.items():
+        assert ids == once[prompt_id].response_ids
+        torch.testing.assert_close(
+            torch.tensor(logprobs),
+            torch.tensor(once[prompt_id].behaviour_logprobs),
+            atol=1e-5,
+            rtol=0,
+        )
+    assert not engine._live.live  # every sample ended: none left in vLLM
+
+
+def test_after_new_weights_a_kept_vllm_sample_goes_on_over_the_old_cache(keeping):
+    """Two tokens by the loaded weights, new weights, then the rest: each later token's
+    logprob is the new model's over the old model's cache of the earlier tokens (built here
+    with the models' own forward and KV cache), not the new model's own forward. The kept
+    tokens match within ``KEPT`` (measured 1e-6: one update, modest logits), while the new
+    model's own forward differs from them by 2e-3 to 4.5e-3 on these samples."""
+    tokenizer, policy, engine = keeping
+    old = copy.deepcopy(policy)
+    new = copy.deepcopy(policy)
+    for seed in (11, 12, 13):  # far from the old weights: their caches differ clearly
+        _perturb(new, seed=seed)
+    params = SamplingParams(n=1, max_new_tokens=2, max_seq_len=64, temperature=0.8, seed=5)
+
+    def update(call):
+        if call == 0:
+            engine.load_weights(1, _parameter_buckets(new))
+
+    try:
+        requests = _requests(tokenizer)
+        made = _chunks(engine, requests, params, 4, between=update)
+    finally:
+        engine.load_weights(0, _parameter_buckets(old))
+    gaps = []
+    for request in requests:
+        ids, logprobs = made[request.prompt_id]
+        if len(ids) < 3:
+            continue
+        prompt = request.prompt_ids
+        with torch.no_grad():
+            cache = old(torch.tensor([prompt + ids[:1]]), use_cache=True).past_key_values
+            logits = new(torch.tensor([ids[1:-1]]), past_key_values=cache, use_cache=True).logits
+            whole = new(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) + 1 :]
+        later = torch.tensor(ids[2:])[:, None]
+        kept = (logits[0] / 0.8).log_softmax(-1).gather(-1, later)[:, 0]
+        recomputed = (whole / 0.8).log_softmax(-1).gather(-1, later)[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs[2:]), kept, atol=KEPT, rtol=0)
+        gaps.append(float((recomputed - kept).abs().max()))
+    assert gaps and max(gaps) > 10 * KEPT  # the old cache mattered (measured 2e-3 to 4.5e-3)
