@@ -272,21 +272,8 @@ def packed_response_logprobs(
     padding. ``model`` must pass ``packed_supported``."""
     layout = layout_of(model, batch)
     model = unwrap(model)
-    inner = model.model
-    embed = inner.embed_tokens  # as nn.Embedding: no gradient reaches the padding row
-    x = F.embedding(layout.ids, embed.weight, padding_idx=embed.padding_idx)  # [N, E]
-    cos, sin = rotary(inner.rotary_emb.inv_freq, layout.positions, x.dtype)  # [N, D]
-    cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: broadcast over heads
-    for layer in inner.layers:
-        x = x + _attention(layer, rms_norm(x, norm_of(layer.input_layernorm)), cos, sin, layout)
-        h = rms_norm(x, norm_of(layer.post_attention_layernorm))
-        mlp = layer.mlp
-        if is_moe_block(mlp):  # the model's own block: router, experts, shared experts
-            x = x + moe_forward(mlp, h)
-            continue
-        gate, up = project(h, projection(mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
-        x = x + mlp.down_proj(F.silu(gate) * up)
-    hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(inner.norm))  # [T, E]
+    x = packed_hidden(model, layout.ids, layout.positions, layout)
+    hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(model.model.norm))  # [T, E]
     real = batch.response_mask.bool()
     logprobs, entropy = head_logprobs(
         hidden,
@@ -302,7 +289,31 @@ def packed_response_logprobs(
     return logprobs, None if entropy is None else zeros.masked_scatter(real, entropy)
 
 
-def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
+def packed_hidden(model: nn.Module, ids, positions, layout: PackedLayout, attend=None):
+    """The last block's output [n, E] (before the final norm) for stream tokens ``ids`` at
+    ``positions`` [n]: all of ``layout``'s, or a slice of them with an ``attend`` that sees the
+    whole stream (sequence parallelism). ``attend(q, k, v, layout, scaling)`` is the attention
+    step, q [n, H, D] and k/v [n, Hkv, D] -> [n, H*D]; by default ``packed_attention``."""
+    inner = unwrap(model).model
+    embed = inner.embed_tokens  # as nn.Embedding: no gradient reaches the padding row
+    x = F.embedding(ids, embed.weight, padding_idx=embed.padding_idx)  # [n, E]
+    cos, sin = rotary(inner.rotary_emb.inv_freq, positions, x.dtype)  # [n, D]
+    cos, sin = cos[:, None], sin[:, None]  # [n, 1, D]: broadcast over heads
+    attend = attend or packed_attention
+    for layer in inner.layers:
+        h = rms_norm(x, norm_of(layer.input_layernorm))
+        x = x + _attention(layer, h, cos, sin, layout, attend)
+        h = rms_norm(x, norm_of(layer.post_attention_layernorm))
+        mlp = layer.mlp
+        if is_moe_block(mlp):  # the model's own block: router, experts, shared experts
+            x = x + moe_forward(mlp, h)
+            continue
+        gate, up = project(h, projection(mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
+        x = x + mlp.down_proj(F.silu(gate) * up)
+    return x
+
+
+def _attention(layer, h, cos, sin, layout: PackedLayout, attend) -> torch.Tensor:
     """One block's self-attention output (after o_proj) for the flat tokens ``h`` [N, E]."""
     attn = layer.self_attn
     dim = attn.head_dim
@@ -312,15 +323,19 @@ def _attention(layer, h, cos, sin, layout: PackedLayout) -> torch.Tensor:
     qkv = norm_heads(qkv, heads, kv_heads, head_norms(attn))
     qk = rotate(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+    return attn.o_proj(attend(q, k, v, layout, attn.scaling))  # [N, E]
+
+
+def packed_attention(q, k, v, layout: PackedLayout, scaling: float) -> torch.Tensor:
+    """The whole stream's attention: q [N, H, D], k/v [N, Hkv, D] -> [N, H*D]."""
     out = _block(
         _gather(q, layout.query_slots),
         _gather(k, layout.key_slots),
         _gather(v, layout.key_slots),
         layout,
-        attn.scaling,
+        scaling,
     )  # [U + B, Q, H*D]
-    out = out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
-    return attn.o_proj(out)  # [N, E]
+    return out.flatten(0, 1).index_select(0, layout.unpad)  # [N, H*D]
 
 
 def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,18 @@ def to_heads(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     return x.permute(1, 3, 0, 2, 4).reshape(batch, tokens, sp.world * share, dim)
 
 
+def repeat_kv(
+    key: torch.Tensor, value: torch.Tensor, sp: SequenceGroup, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV heads (along ``dim``) repeated up to a multiple of N, each copy beside its original,
+    so that query head h still reads KV head h // (H / Hkv); the repeat's backward sums the
+    copies' gradients."""
+    repeat = sp.world // math.gcd(key.shape[dim], sp.world)
+    if repeat == 1:
+        return key, value
+    return key.repeat_interleave(repeat, dim), value.repeat_interleave(repeat, dim)
+
+
 def _attention(plain):
     """The Ulysses attention, with ``plain`` (transformers' sdpa) for forwards without SP."""
 
@@ -171,9 +183,7 @@ def _attention(plain):
         sp = ulysses
         if not getattr(module, "is_causal", True):
             raise ValueError("sequence parallelism takes causal attention only")
-        repeat = sp.world // math.gcd(key.shape[1], sp.world)
-        if repeat > 1:  # KV heads up to a multiple of N; the repeat's backward sums the copies
-            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+        key, value = repeat_kv(key, value, sp, dim=1)
         if value.shape[-1] == query.shape[-1]:
             query, key, value = to_sequence([query, key, value], sp)
         else:  # value heads of another size (multi-head latent attention)
@@ -264,6 +274,17 @@ class _Gather(torch.autograd.Function):
         return grad[:, start:stop], None
 
 
+def local_head(
+    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``head_logprobs`` (in chunks) of this rank's scored hidden states [n, E] and their
+    labels [n] under ``model``'s LM head; ``options``: temperature, with_entropy,
+    entropy_grad."""
+    weight = model.get_output_embeddings().weight
+    chunk = max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
+    return head_logprobs(hidden, weight, labels, chunk_tokens=chunk, **options)
+
+
 def next_token_logprobs(
     model: nn.Module,
     sp: SequenceGroup,
@@ -288,15 +309,13 @@ def next_token_logprobs(
     start, stop = sp.bounds(length)
     labels = F.pad(input_ids[:, 1:], (0, 1 + extra))[:, start:stop]  # [B, t]
     real = F.pad(scored.bool(), (0, extra))[:, start:stop]
-    weight = model.get_output_embeddings().weight
-    logprobs, entropy = head_logprobs(
+    logprobs, entropy = local_head(
+        model,
         hidden[real],
-        weight,
         labels[real],
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
-        chunk_tokens=max(1, HEAD_CHUNK_LOGITS // weight.shape[0]),
     )
     width = input_ids.shape[1]
 

@@ -7,6 +7,7 @@ sums of two ranks' parts, so agreement is to float32 reassociation (~1e-6 relati
 bit for bit."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from honing.algorithms import logprobs_from_logits
 from honing.services.process import free_port
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.memory import saved_bytes
+from honing.trainer.sequence_packed import packed_sequence_parallel_logprobs
 from honing.trainer.sequence_parallel import (
     SequenceGroup,
     check_model,
@@ -66,7 +68,8 @@ def _model(case: str):
 
 
 def _batch():
-    """Two rows of ~100 tokens: left-padded prompts (40 and 33), responses (60 and 45)."""
+    """Rows of ~100 tokens: left-padded prompts (40 and 33), responses (60 and 45), and a third
+    row sharing the first's prompt (the packed stream runs it once)."""
     rng = random.Random(0)
     rollouts = [
         Rollout(
@@ -81,6 +84,8 @@ def _batch():
         )
         for i, (prompt, response) in enumerate([(40, 60), (33, 45)])
     ]
+    rollouts.append(replace(rollouts[0], response_ids=rollouts[0].response_ids[:30]))
+    rollouts[-1].behaviour_logprobs = [-1.0] * 30
     return collate(rollouts, pad_id=PAD, device=torch.device("cpu"))
 
 
@@ -120,9 +125,10 @@ def _sp_case(case: str, sp: SequenceGroup) -> dict:
         entropy = None
     else:
         batch = _batch()
-        logprobs, entropy = sequence_parallel_logprobs(
-            model, batch, sp, with_entropy=True, entropy_grad=True
+        logprobs_of = (
+            packed_sequence_parallel_logprobs if case == "stream" else sequence_parallel_logprobs
         )
+        logprobs, entropy = logprobs_of(model, batch, sp, with_entropy=True, entropy_grad=True)
         loss = _batch_loss(logprobs, entropy, batch)
     loss.backward()
     return {"logprobs": logprobs.detach(), "entropy": entropy, "loss": loss.detach()} | {
@@ -131,8 +137,9 @@ def _sp_case(case: str, sp: SequenceGroup) -> dict:
 
 
 def _one_process_case(case: str) -> dict:
-    """The model's own forward: honing's ``response_logprobs``, or its logits for the packed
-    row (transformers reads the restarting positions as two sequences)."""
+    """The model's own forward: honing's ``response_logprobs`` (for the packed stream too),
+    or its logits for the packed row (transformers reads the restarting positions as two
+    sequences)."""
     model = _model(case)
     if case == "packed":
         ids, positions, scored = _packed_row()
@@ -162,7 +169,7 @@ def _long_saved_bytes(sp: SequenceGroup) -> int:
     return saved.bytes
 
 
-CASES = ("batch", "packed", "checkpointing", "moe")
+CASES = ("batch", "packed", "checkpointing", "moe", "stream")
 
 
 def _worker(rank: int, port: int, out: str) -> None:
