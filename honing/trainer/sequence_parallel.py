@@ -87,7 +87,7 @@ def check_model(model: nn.Module, world: int) -> None:
             "ranks: each rank attends with a whole share of the heads"
         )
     layer_types = getattr(config, "layer_types", None) or ()
-    if any("sliding" in kind for kind in layer_types) or (
+    if any("sliding" in layer for layer in layer_types) or (
         getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     ):
         raise ValueError("sequence parallelism takes full causal attention, not sliding windows")
