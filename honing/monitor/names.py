@@ -89,6 +89,8 @@ KNOWN = frozenset(
         "perf/gen_tokens_per_s",
         "perf/train_tokens_per_s",
         "perf/sync_mb",
+        "perf/token_imbalance",
+        "perf/micro_batches",
         "system/cpu_percent",
         "system/rss_mb",
         "system/gpu_mem_mb",

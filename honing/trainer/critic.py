@@ -16,7 +16,7 @@ from honing.algorithms import masked_mean
 from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
 from honing.trainer.engine import TrainerEngine
-from honing.trainer.policy_update import UpdateSettings, mini_batches
+from honing.trainer.policy_update import UpdateSettings, mini_batches, row_tokens
 
 
 class ValueModel(nn.Module):
@@ -56,17 +56,21 @@ def update_critic(
     generator: torch.Generator,
 ) -> dict[str, float]:
     """Fit the critic (``trainer.module``, a ``ValueModel``) to ``returns`` ([B, R]) over the
-    mini-batches ``settings`` and ``generator`` draw, with the policy's micro-batch size and
-    gradient clipping; across processes as ``update_policy``: each its rows, gradients and
-    metric sums reduced, the same optimizer step everywhere."""
+    mini-batches ``settings`` and ``generator`` draw, with the policy's micro-batches (by
+    count or token budget) and gradient clipping; across processes as ``update_policy``: each
+    its rows, gradients and metric sums reduced, the same optimizer step everywhere."""
     critic = trainer.module
     critic.train()
     totals: dict[str, torch.Tensor] = {}
     steps = 0
+    tokens = row_tokens(batch)  # [B]
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         trainer.zero_grad()
-        for micro_index, real in trainer.rows(index, settings.micro_batch_size):
+        split = trainer.rows(
+            index, settings.micro_batch_size, tokens[index], settings.max_tokens_per_micro
+        )
+        for micro_index, real in split:
             micro = batch.select(micro_index).masked_after(real)
             width = micro.responses.shape[1]
             values = critic(micro)  # [b, R]

@@ -5,9 +5,11 @@ knows how the module is laid out across processes (its ``layouts.Layout``: whole
 process, replicated on every torchrun rank, or sharded over them). Everything else asks it
 for what depends on that layout:
 
-- the update: ``rows(index, size)`` (this process's micro-batches of a mini-batch's rows),
-  ``step(grad_clip)`` (gradients reduced across processes, clipped, the optimizer step,
-  skipped when their norm is not finite), ``reduce(totals)`` (metric sums over processes);
+- the update: ``rows(index, size, tokens, budget)`` (this process's micro-batches of a
+  mini-batch's rows, by count or by a token budget with the rows dealt to the ranks by their
+  tokens), ``step(grad_clip)`` (gradients reduced across processes, clipped, the optimizer
+  step, skipped when their norm is not finite), ``reduce(totals, how)`` (metric sums, or
+  maxima, over processes);
 - passes without gradient: ``forward_rows(compute, batch, width)`` (a pass over the batch's
   rows as the layout runs it, every rank's rows gathered when sharded) and
   ``lay_out_alike(module)`` (a frozen module, the reference, laid out the same way);
@@ -64,13 +66,17 @@ class TrainerEngine(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]: ...
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]: ...
 
     def zero_grad(self) -> None: ...
 
     def step(self, grad_clip: float) -> tuple[torch.Tensor, bool]: ...
 
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def reduce(
+        self, totals: dict[str, torch.Tensor], how: str = "sum"
+    ) -> dict[str, torch.Tensor]: ...
 
     def forward_rows(self, compute: Callable, batch, width: int) -> torch.Tensor: ...
 
@@ -226,8 +232,10 @@ class TrainedModule:
         """The number of processes sharing the module."""
         return self.layout.world
 
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-        return self.layout.rows(index, size)
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]:
+        return self.layout.rows(index, size, tokens, budget)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -243,8 +251,8 @@ class TrainedModule:
         finally:
             move_optimizer_state(self.optimizer, torch.device("cpu"))
 
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.layout.reduce(totals)
+    def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
+        return self.layout.reduce(totals, how)
 
     def forward_rows(self, compute: Callable, batch, width: int) -> torch.Tensor:
         """``compute(rows)`` ([rows, <= width], no gradient) over ``batch`` as this module's

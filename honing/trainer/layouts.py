@@ -4,6 +4,11 @@ whole on every torchrun rank (``Replicated``), or sharded over them (``sharded.S
 A layout is the trainer engine's (``trainer/engine.py``) and nothing else's: the pipeline
 asks the engine, which asks its layout (``engine.make_layout`` picks one from the trainer's
 strategy).
+
+Micro-batches come by a count of rows (``size``) or, with a token budget (``budget`` > 0,
+``trainer.max_tokens_per_micro``), by tokens: ``token_shares`` deals a mini-batch's rows to the
+ranks so that each gets about as many tokens, and each rank packs its rows into micro-batches
+of at most ``budget`` padded tokens (``pack_rows``).
 """
 
 from __future__ import annotations
@@ -37,17 +42,22 @@ class Layout(ABC):
         return module
 
     @abstractmethod
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]:
         """This process's micro-batches of the mini-batch rows ``index``, each with its
-        count of real rows (a sharded rank short of rows runs a masked copy of one)."""
+        count of real rows (a sharded rank short of rows runs a masked copy of one): of
+        ``size`` rows, or with ``budget`` > 0 of at most ``budget`` padded tokens, the rows
+        dealt to the ranks by their ``tokens`` ([len(index)], aligned with ``index``)."""
 
     @abstractmethod
     def reduce_gradients(self, module: nn.Module) -> None:
         """After the micro-batches' backward passes: the gradients summed over processes."""
 
     @abstractmethod
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Metric sums over every process sharing the module."""
+    def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
+        """Metric sums (``how="max"``: elementwise maxima) over every process sharing the
+        module."""
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
         """Each (name, tensor) piece whole (gathered from every rank when sharded)."""
@@ -76,30 +86,89 @@ def copy_whole(module: nn.Module, pieces) -> list[str]:
     return unknown
 
 
-def sum_across(totals: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
-    """Each total summed over the ranks of ``group`` (float64, one all-reduce)."""
+def reduce_across(
+    totals: dict[str, torch.Tensor], group, how: str = "sum"
+) -> dict[str, torch.Tensor]:
+    """Each total (a number or a tensor of one shape on every rank) summed, or its elementwise
+    maximum for ``how="max"``, over the ranks of ``group`` (float64, one all-reduce)."""
     names = sorted(totals)
-    values = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
-    dist.all_reduce(values, group=group)
-    return dict(zip(names, values, strict=True))
+    values = [torch.as_tensor(totals[n], dtype=torch.float64) for n in names]
+    flat = torch.cat([v.reshape(-1) for v in values])
+    dist.all_reduce(flat, op=REDUCE_OPS[how], group=group)
+    pieces = flat.split([v.numel() for v in values])
+    return {n: p.view_as(v) for n, p, v in zip(names, pieces, values, strict=True)}
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def pack_rows(index: torch.Tensor, tokens: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """``index`` cut into micro-batches of at most ``budget`` padded tokens: the rows longest
+    first, each micro-batch as many as fit when every one of them costs its first (longest)
+    row's ``tokens``, the width they are padded to; a row over the budget goes alone."""
+    order = torch.argsort(tokens, descending=True, stable=True).tolist()
+    counts = tokens.tolist()
+    micro_batches, start = [], 0
+    while start < len(order):
+        fit = max(1, budget // max(int(counts[order[start]]), 1))
+        micro_batches.append(index[order[start : start + fit]])
+        start += fit
+    return micro_batches
+
+
+def deal_rows(tokens: torch.Tensor, world: int) -> list[list[int]]:
+    """Positions in ``tokens`` dealt to ``world`` ranks, longest first, each to the rank with
+    the fewest tokens so far (then the fewest rows, then the lowest rank): greedy longest
+    processing time, which leaves the ranks' totals within the longest row of each other."""
+    order = torch.argsort(tokens, descending=True, stable=True).tolist()
+    counts = tokens.tolist()
+    shares: list[list[int]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for position in order:
+        rank = min(range(world), key=lambda r: (loads[r], len(shares[r]), r))
+        shares[rank].append(position)
+        loads[rank] += counts[position]
+    return shares
+
+
+def token_shares(
+    index: torch.Tensor, tokens: torch.Tensor, world: int, budget: int
+) -> list[list[torch.Tensor]]:
+    """Every rank's micro-batches of the rows ``index`` under a token ``budget``: the rows
+    dealt by their ``tokens`` (``deal_rows``), each rank's packed (``pack_rows``). Every rank
+    computes all of them alike from the same mini-batch."""
+    if tokens is None or len(tokens) != len(index):
+        raise ValueError("a token budget needs every row's token count, aligned with the rows")
+    out = []
+    for share in deal_rows(tokens, world):
+        positions = torch.tensor(share, dtype=torch.long)
+        out.append(pack_rows(index[positions], tokens[positions], budget))
+    return out
 
 
 class OneProcess(Layout):
     """A module held whole by this one process."""
 
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-        return [(chunk, len(chunk)) for chunk in torch.split(index, size)]
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]:
+        if budget:
+            [mine] = token_shares(index, tokens, 1, budget)
+        else:
+            mine = torch.split(index, size)
+        return [(chunk, len(chunk)) for chunk in mine]
 
     def reduce_gradients(self, module: nn.Module) -> None:
         return None
 
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
         return totals
 
 
 class Replicated(Layout):
     """torchrun data parallelism: the whole module on every rank of ``group``; rank r runs
-    rows r, r + W, ... of each mini-batch, and the summed gradients (one all-reduce per
+    rows r, r + W, ... of each mini-batch (under a token budget, its share of the rows dealt
+    by their tokens), and the summed gradients (one all-reduce per
     optimizer step) give every rank the single-process step, so every rank holds the same
     weights and optimizer state. Passes without gradients run on one rank alone, as in one
     process."""
@@ -108,13 +177,19 @@ class Replicated(Layout):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]:
         if len(index) < self.world:
             raise ValueError(
                 f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
                 "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
             )
-        return [(c, len(c)) for c in torch.split(index[self.rank :: self.world], size)]
+        if budget:
+            mine = token_shares(index, tokens, self.world, budget)[self.rank]
+        else:
+            mine = torch.split(index[self.rank :: self.world], size)
+        return [(c, len(c)) for c in mine]
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """All-reduce (sum) every trainable parameter's gradient, as one flat buffer."""
@@ -125,5 +200,5 @@ class Replicated(Layout):
         for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
 
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return sum_across(totals, self.group)
+    def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
+        return reduce_across(totals, self.group, how)

@@ -2,8 +2,10 @@
 
 Every micro-batch loss is normalised by its *mini-batch's* token and sequence counts, so the
 gradient accumulated over any split into micro-batches equals the mini-batch's gradient
-(tests/trainer/test_policy_update.py proves it). Metrics stay tensors until the end of the update:
-one host sync per step, not one per micro-batch.
+(tests/trainer/test_policy_update.py proves it), whether micro-batches hold a count of rows or
+a token budget's worth (``max_tokens_per_micro``, tests/trainer/test_token_budget.py).
+Metrics stay tensors until the end of the update: one host sync per step, not one per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class UpdateSettings:
     ppo_epochs: int = 1
     mini_batch_sequences: int = 0  # 0 = the whole batch in one optimizer step
     micro_batch_size: int = 64
+    max_tokens_per_micro: int = 0  # padded tokens per micro-batch, rows balanced; 0 = by count
     grad_clip: float = 1.0
     temperature: float = 1.0
     clip_ratio_c: float = 0.0  # dual clip (ppo_clip only); 0 = off
@@ -146,6 +149,32 @@ def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, 
     return total
 
 
+def row_tokens(batch: TrainBatch) -> torch.Tensor:
+    """[B] (host) each row's tokens as a token budget counts them: the prompt width and its
+    response, the width it is padded to in a micro-batch of rows no longer than itself."""
+    return (batch.prompt_width + batch.response_mask.sum(-1)).long().cpu()
+
+
+def split_metrics(
+    trainer: TrainerEngine, own: list[int], micros: list[int], whole: list[int], device
+) -> dict[str, float]:
+    """How the mini-batches were split, from each optimizer step's tokens this rank ran
+    (``own``), its micro-batches (``micros``) and the mini-batch's tokens (``whole``):
+    ``perf/token_imbalance``, the most tokens a rank ran over the ranks' mean (1.0 in one
+    process), and ``perf/micro_batches``, the most micro-batches a rank ran; each per
+    optimizer step, averaged over the update's steps."""
+
+    def numbers(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    most = trainer.reduce({"tokens": numbers(own), "micros": numbers(micros)}, how="max")
+    mean = numbers(whole) / trainer.world_size
+    return {
+        "perf/token_imbalance": float((most["tokens"] / mean).mean()),
+        "perf/micro_batches": float(most["micros"].mean()),
+    }
+
+
 def _rows(index: torch.Tensor, width: int):
     """Select ``index`` rows of a [B, R] tensor, trimmed to the micro-batch's width."""
     return lambda t: None if t is None else t[index, :width]
@@ -185,12 +214,20 @@ def update_policy(
     routers = routers_of(model)
     stats = RouterStats() if routers is not None else None
     router_losses = settings.router_aux_coef > 0 or settings.router_z_coef > 0
+    tokens = row_tokens(batch)  # [B]
+    own, micros, whole = [], [], []
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
         counts = (num_tokens, float(len(index)), float(scale_len))
         trainer.zero_grad()
-        for micro_index, real in trainer.rows(index, settings.micro_batch_size):
+        split = trainer.rows(
+            index, settings.micro_batch_size, tokens[index], settings.max_tokens_per_micro
+        )
+        own.append(sum(int(tokens[micro_index[:real]].sum()) for micro_index, real in split))
+        micros.append(len(split))
+        whole.append(int(tokens[index].sum()))
+        for micro_index, real in split:
             micro = batch.select(micro_index).masked_after(real)
             rows = _rows(micro_index, micro.responses.shape[1])
             tap = None
@@ -219,6 +256,7 @@ def update_policy(
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
+    metrics |= split_metrics(trainer, own, micros, whole, batch.input_ids.device)
     if stats is not None:
         sums = host_sums(trainer.reduce(stats.sums()))
         metrics |= moe_metrics(sums, routers.layers, routers.num_experts, routers.null_experts)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from honing.errors import ConfigError
-from honing.trainer.layouts import Layout, sum_across
+from honing.trainer.layouts import Layout, reduce_across, token_shares
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,14 +102,23 @@ class Sharded(Layout):
                 unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
         return module
 
-    def rows(self, index: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-        """Rows rank, rank + W, ... in micro-batches of ``size``, as many on every rank: a
-        rank with fewer rows repeats its first row, masked (the second item: real rows)."""
+    def rows(
+        self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
+    ) -> list[tuple[torch.Tensor, int]]:
+        """Rows rank, rank + W, ... in micro-batches of ``size`` (or, with a token
+        ``budget``, this rank's share packed by tokens), as many on every rank: a rank with
+        fewer rows repeats a row of its own, masked (the second item: real rows)."""
         if len(index) < self.world:
             raise ValueError(
                 f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
                 "ranks; raise trainer.mini_batch_size or use fewer ranks"
             )
+        if budget:
+            shares = token_shares(index, tokens, self.world, budget)
+            mine = [(chunk, len(chunk)) for chunk in shares[self.rank]]
+            shortest = mine[-1][0][-1:]  # the cheapest row to run masked
+            most = max(len(share) for share in shares)
+            return mine + [(shortest, 0)] * (most - len(mine))
         mine = index[self.rank :: self.world]
         most = -(-len(index) // self.world)  # the largest share
         padded = torch.cat([mine, mine[:1].repeat(most - len(mine))])
@@ -122,8 +131,8 @@ class Sharded(Layout):
     def reduce_gradients(self, module: nn.Module) -> None:
         return None  # FSDP reduced them in the backward pass
 
-    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return sum_across(totals, self.group)
+    def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
+        return reduce_across(totals, self.group, how)
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
         """Each piece whole, gathered from every rank as its turn comes (every rank takes

@@ -31,11 +31,11 @@ def model(micro_model_dir):
     return load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=CPU)
 
 
-def make_rollouts(seed: int = 0) -> list[Rollout]:
-    """Prompts of 2..7 random tokens, responses of RESPONSE_LENGTHS, every third ending in EOS."""
+def make_rollouts(seed: int = 0, lengths: list[int] = RESPONSE_LENGTHS) -> list[Rollout]:
+    """Prompts of 2..7 random tokens, responses of ``lengths``, every third ending in EOS."""
     rng = random.Random(seed)
     rollouts = []
-    for i, length in enumerate(RESPONSE_LENGTHS):
+    for i, length in enumerate(lengths):
         prompt = [rng.randrange(3, 99) for _ in range(rng.randint(2, 7))]
         response = [rng.randrange(3, 99) for _ in range(length)]
         stop = i % 3 == 0
@@ -58,9 +58,14 @@ def make_rollouts(seed: int = 0) -> list[Rollout]:
 
 @pytest.fixture(scope="module")
 def experience(model):
-    """A batch with random advantages, perturbed old logprobs and a different reference."""
-    batch = collate(make_rollouts(), pad_id=PAD, device=CPU)
-    assert batch.response_mask.sum(-1).int().tolist() == RESPONSE_LENGTHS  # EOS included
+    return make_experience(model, RESPONSE_LENGTHS)
+
+
+def make_experience(model, lengths: list[int]) -> tuple:
+    """A batch of ``lengths`` responses with random advantages, perturbed old logprobs and a
+    different reference."""
+    batch = collate(make_rollouts(lengths=lengths), pad_id=PAD, device=CPU)
+    assert batch.response_mask.sum(-1).int().tolist() == lengths  # EOS included
     generator = torch.Generator().manual_seed(0)
     shape = batch.response_mask.shape  # [B, R]
     advantages = torch.randn(shape, generator=generator)
@@ -141,11 +146,16 @@ def test_micro_batch_split_does_not_change_the_update(model, experience, loss_ag
         torch.testing.assert_close(fives[name], whole[name], atol=1e-6, rtol=0)
         torch.testing.assert_close(ones[name], whole[name], atol=1e-6, rtol=0)
 
-    # The reported metrics are those of the whole mini-batch, whatever the split.
+    # The reported metrics are those of the whole mini-batch, whatever the split (but the
+    # split's own: micro-batches per step).
     assert whole_metrics["actor/pg_clipfrac"] > 0  # the old logprobs do trigger clipping
     assert whole_metrics["actor/kl_loss"] > 0
     assert set(fives_metrics) == set(whole_metrics) == set(ones_metrics)
+    split = [m["perf/micro_batches"] for m in (whole_metrics, fives_metrics, ones_metrics)]
+    assert split == [1, 3, 12]
     for name, value in whole_metrics.items():
+        if name == "perf/micro_batches":
+            continue
         assert fives_metrics[name] == pytest.approx(value, abs=1e-5), name
         assert ones_metrics[name] == pytest.approx(value, abs=1e-5), name
 
