@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from honing.algorithms.losses import LOSS_AGGREGATIONS
 from honing.config import build_config
 from honing.errors import ConfigError
+from honing.pipeline.components import update_settings
 from honing.services.process import free_port
 from honing.trainer.layouts import OneProcess, Replicated, deal_rows, pack_rows
 from honing.trainer.policy_update import row_tokens, update_policy
@@ -118,6 +119,12 @@ def test_a_negative_budget_is_refused():
     with pytest.raises(ConfigError, match="trainer.max_tokens_per_micro: -1 is out of range"):
         build_config({"trainer.max_tokens_per_micro": -1})
     assert build_config({}).trainer.max_tokens_per_micro == 0
+
+
+def test_the_budget_reaches_the_update_settings():
+    config = build_config({"trainer.max_tokens_per_micro": 4096})
+    assert update_settings(config).max_tokens_per_micro == 4096
+    assert update_settings(build_config({})).max_tokens_per_micro == 0
 
 
 # --- the update's gradient -------------------------------------------------------------------
