@@ -93,49 +93,58 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"unknown reward function {spec!r}; expected a built-in "
             f"({', '.join(sorted({*REWARD_FUNCTIONS, *_LAZY_BUILTINS}))}) or {_SPEC_FORMS}"
         )
-    target, _, attribute = spec.rpartition(":")
+    return load_callable(spec)
+
+
+def load_callable(spec: str, kind: str = "reward function") -> Callable[..., Any]:
+    """Resolve ``package.module:function`` or ``path/to/file.py:function`` to a callable;
+    ``kind`` names what it is in the error messages (tools load through here too).
+
+    Raises:
+        RewardError: as ``load_reward_fn``.
+    """
+    target, _, attribute = spec.strip().rpartition(":")
     if not target or not attribute:
-        raise RewardError(f"reward function spec {spec!r} is incomplete; expected {_SPEC_FORMS}")
+        raise RewardError(f"{kind} spec {spec!r} is incomplete; expected {_SPEC_FORMS}")
     is_file = target.endswith(".py") or "/" in target or os.sep in target
-    module = _load_file(target, spec) if is_file else _import_module(target, spec)
+    module = _load_file(target, spec, kind) if is_file else _import_module(target, spec, kind)
     obj: Any = module
     for part in attribute.split("."):
         if not hasattr(obj, part):
             raise RewardError(
-                f"{target} has no attribute {attribute!r} (reward function {spec!r}); "
+                f"{target} has no attribute {attribute!r} ({kind} {spec!r}); "
                 f"expected {_SPEC_FORMS} naming a function defined there"
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise RewardError(
-            f"reward function {spec!r} is a {type(obj).__name__}, not callable; "
-            "expected a function (response, ground_truth, **context) -> float | dict"
+            f"{kind} {spec!r} is a {type(obj).__name__}, not callable; expected a function"
         )
     return obj
 
 
-def _import_module(name: str, spec: str) -> ModuleType:
+def _import_module(name: str, spec: str, kind: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
         raise RewardError(
-            f"cannot import module {name!r} for reward function {spec!r} ({describe_error(exc)})"
+            f"cannot import module {name!r} for {kind} {spec!r} ({describe_error(exc)})"
             "; expected an importable module (is it installed / on PYTHONPATH?)"
         ) from None
     except Exception as exc:  # noqa: BLE001 - user code may raise anything while importing
         raise RewardError(
-            f"importing module {name!r} for reward function {spec!r} failed: {describe_error(exc)}"
+            f"importing module {name!r} for {kind} {spec!r} failed: {describe_error(exc)}"
         ) from None
 
 
-def _load_file(file_name: str, spec: str) -> ModuleType:
+def _load_file(file_name: str, spec: str, kind: str) -> ModuleType:
     """Execute a Python file as a fresh module (registered in ``sys.modules``)."""
     path = Path(file_name)
     if not path.is_absolute():
         path = Path.cwd() / path
     if not path.is_file():
         raise RewardError(
-            f"reward function file not found: {path} (from {spec!r}); "
+            f"{kind} file not found: {path} (from {spec!r}); "
             "expected 'path/to/file.py:function', relative paths from the current directory"
         )
     # A unique, stable module name per file, so two rewards.py files do not collide.
@@ -152,7 +161,5 @@ def _load_file(file_name: str, spec: str) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything while loading
         del sys.modules[module_name]
-        raise RewardError(
-            f"loading reward function file {path} failed: {describe_error(exc)}"
-        ) from None
+        raise RewardError(f"loading {kind} file {path} failed: {describe_error(exc)}") from None
     return module
