@@ -1,0 +1,281 @@
+"""One turn's tool calls: parsed from the model's text, run concurrently under their bounds,
+and answered with the tokens of the tool responses.
+
+Calls are written in a ``ToolCallFormat``; ``hermes`` (Hermes, Qwen2.5/3) is a JSON object
+between tags, one per call::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "2 ** 10"}}
+    </tool_call>
+
+Every complete call (an open tag with its close tag) is parsed; a malformed one, an unknown
+tool or arguments that do not fit the tool's schema become a call with an ``error``, which
+runs as an error result the model reads back. A call cut off by the end of the text is left
+out.
+
+Tool responses are rendered by the tokenizer's chat template: the conversation is rendered
+with and without the tool messages and the difference taken (the closing of the assistant's
+turn the model has not written yet, the tool messages, the next assistant header). A
+tokenizer without a template (a base model, the built-in tiny model) gets
+``FALLBACK_RESPONSE`` per result, after a newline, with nothing around the turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+from honing.errors import ConfigError
+from honing.rewards.registry import describe_error
+from honing.rollout.tools import Tool, ToolOutput, argument_problem
+
+TRUNCATED = "\n[truncated]"
+FALLBACK_RESPONSE = "<tool_response>\n{output}\n</tool_response>\n"
+_PROBE = "HONING-TOOL-PROBE"
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How the model writes a call: its JSON object between ``open`` and ``close``."""
+
+    name: str
+    open: str
+    close: str
+
+
+FORMATS = {"hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>")}
+
+
+def tool_call_format(name: str) -> ToolCallFormat:
+    """The format named ``name`` (``rollout.tool_format``).
+
+    Raises:
+        ConfigError: no format has that name.
+    """
+    if name not in FORMATS:
+        raise ConfigError(f"unknown tool call format {name!r}; expected one of {sorted(FORMATS)}")
+    return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as the model wrote it; ``error`` says why it cannot run (malformed, unknown
+    tool, arguments not matching the schema), as text the model reads back."""
+
+    name: str
+    arguments: dict = field(default_factory=dict)
+    error: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """How one call went: its bounded output (or error text) and what it cost."""
+
+    name: str
+    output: str
+    error: bool = False
+    timed_out: bool = False
+    truncated: bool = False
+    latency_s: float = 0.0
+
+
+def parse_tool_calls(
+    text: str,
+    tools: Mapping[str, Tool],
+    fmt: ToolCallFormat = FORMATS["hermes"],
+    max_calls: int | None = None,
+) -> list[ToolCall]:
+    """Every complete call in ``text``, in order, checked against ``tools``; calls past
+    ``max_calls`` are errors."""
+    pattern = re.compile(re.escape(fmt.open) + r"(.*?)" + re.escape(fmt.close), re.DOTALL)
+    calls = []
+    for match in pattern.finditer(text):
+        call = _parse_one(match.group(1), match.group(0), tools)
+        if max_calls is not None and len(calls) >= max_calls and not call.error:
+            call = ToolCall(
+                call.name, call.arguments, f"more than {max_calls} calls in one turn", call.text
+            )
+        calls.append(call)
+    return calls
+
+
+def _parse_one(body: str, text: str, tools: Mapping[str, Tool]) -> ToolCall:
+    expected = 'expected {"name": "<tool>", "arguments": {...}}'
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCall(
+            "", {}, f"malformed tool call: {exc.msg} at character {exc.pos}; {expected}", text
+        )
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return ToolCall("", {}, f"malformed tool call: no tool name; {expected}", text)
+    name, arguments = value["name"], value.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        return ToolCall(
+            name, {}, f"malformed tool call: arguments are not an object; {expected}", text
+        )
+    return ToolCall(name, arguments, _call_problem(name, arguments, tools), text)
+
+
+def _call_problem(name: str, arguments: Mapping[str, Any], tools: Mapping[str, Tool]) -> str | None:
+    """Why the call cannot run (an unknown tool, arguments that do not fit), or None."""
+    if name not in tools:
+        return f"unknown tool {name!r}; available: {', '.join(tools) or 'none'}"
+    problem = argument_problem(tools[name].schema, arguments)
+    return f"tool {name!r}: {problem}" if problem else None
+
+
+def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
+    """``text`` cut to ``max_bytes`` of UTF-8 (at a character boundary) + ``[truncated]``;
+    and whether it was cut."""
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= max_bytes:
+        return text, False
+    return data[:max_bytes].decode("utf-8", errors="ignore") + TRUNCATED, True
+
+
+def iter_calls(
+    calls: Sequence[ToolCall],
+    tools: Mapping[str, Tool],
+    timeout_s: float,
+    max_output_bytes: int,
+    workers: int = 8,
+) -> Iterator[tuple[int, ToolResult]]:
+    """Run ``calls`` on up to ``workers`` threads; yield ``(index, result)`` as each ends, so
+    a slow call holds back no other. Never raises for a tool's failure."""
+    if not calls:
+        return
+    with ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="honing-tools") as pool:
+        futures = {
+            pool.submit(_run_one, call, tools, timeout_s, max_output_bytes): index
+            for index, call in enumerate(calls)
+        }
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def run_calls(
+    calls: Sequence[ToolCall],
+    tools: Mapping[str, Tool],
+    timeout_s: float,
+    max_output_bytes: int,
+    workers: int = 8,
+) -> list[ToolResult]:
+    """The results of ``calls`` in their order (``iter_calls``)."""
+    results: list[ToolResult | None] = [None] * len(calls)
+    for index, result in iter_calls(calls, tools, timeout_s, max_output_bytes, workers):
+        results[index] = result
+    return results  # type: ignore[return-value]
+
+
+def _run_one(
+    call: ToolCall, tools: Mapping[str, Tool], timeout_s: float, max_bytes: int
+) -> ToolResult:
+    """One call under its deadline: the tool runs on a daemon thread that is waited for
+    ``timeout_s`` (+ the tool's grace) and abandoned past it."""
+    started = time.monotonic()
+    tool = tools.get(call.name)
+    problem = call.error or _call_problem(call.name, call.arguments, tools)
+    if problem or tool is None:
+        return ToolResult(call.name, f"error: {problem}", error=True)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = tool.run(call.arguments, timeout_s=timeout_s, max_output_bytes=max_bytes)
+        except BaseException as exc:  # noqa: BLE001 - a user tool may raise anything
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name=f"honing-tool-{call.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s + tool.grace_s)
+    latency_s = time.monotonic() - started
+    if worker.is_alive():
+        text = f"error: tool {call.name!r} timed out after {timeout_s:g} s"
+        return ToolResult(call.name, text, error=True, timed_out=True, latency_s=latency_s)
+    if "error" in box:
+        text = f"error: {describe_error(box['error'])}"
+        return ToolResult(
+            call.name, bound_text(text, max_bytes)[0], error=True, latency_s=latency_s
+        )
+    value = box["value"]
+    output = value if isinstance(value, ToolOutput) else ToolOutput(value)
+    text, cut = bound_text(output.text, max_bytes)
+    if output.truncated and not cut:
+        text += TRUNCATED
+    return ToolResult(
+        call.name, text, output.error, output.timed_out, output.truncated or cut, latency_s
+    )
+
+
+class ToolResponses:
+    """The text and tokens that follow a model's turn with tool calls: the rest of the turn's
+    closing, the tool responses and the next assistant header (module docstring).
+
+    Raises (when built):
+        ConfigError: the chat template renders the earlier conversation differently once
+            tool messages follow it, so no difference can be taken.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+        self._before = self._render(self._base, generation_prompt=False) if self.templated else ""
+        self.turn_end = self._before[self._before.rfind(_PROBE) + len(_PROBE) :]
+        """What the template writes after an assistant turn's content (``<|im_end|>\\n``)."""
+        self._closings = _closing_lengths(
+            self.turn_end, getattr(tokenizer, "all_special_tokens", [])
+        )
+        self.text("", [ToolResult("probe", "probe")])
+
+    def text(self, response_text: str, results: Sequence[ToolResult]) -> str:
+        """What follows ``response_text`` (the turn the model wrote, special tokens kept):
+        the part of ``turn_end`` it has not written, then the responses to ``results``."""
+        if not self.templated:
+            return "\n" + "".join(FALLBACK_RESPONSE.format(output=r.output) for r in results)
+        messages = [{"role": "tool", "name": r.name, "content": r.output} for r in results]
+        after = self._render(self._base + messages, generation_prompt=True)
+        if not after.startswith(self._before):
+            raise ConfigError(
+                "the tokenizer's chat template renders a conversation differently once tool "
+                "messages follow it; tool responses cannot be rendered by difference"
+            )
+        written = next(
+            (size for size in self._closings if response_text.endswith(self.turn_end[:size])), 0
+        )
+        return self.turn_end[written:] + after[len(self._before) :]
+
+    def ids(self, response_text: str, results: Sequence[ToolResult]) -> list[int]:
+        """``text`` as token ids (no special tokens added)."""
+        text = self.text(response_text, results)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # noqa: BLE001 - templates raise jinja2 and other errors
+            raise ConfigError(
+                f"the tokenizer's chat template cannot render tool messages "
+                f"({describe_error(exc)}); expected a template with a tool role"
+            ) from None
+
+
+def _closing_lengths(turn_end: str, specials: Sequence[str]) -> list[int]:
+    """Lengths of ``turn_end``'s prefixes a response may end with, longest first: all of it,
+    or up to a special token (the model stopped at its end-of-turn token)."""
+    ends = {size for size in range(1, len(turn_end)) if turn_end[:size].endswith(tuple(specials))}
+    return sorted(ends | {len(turn_end)}, reverse=True)

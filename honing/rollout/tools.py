@@ -1,0 +1,376 @@
+"""Tools a policy calls during a multi-turn rollout: their specs, the run's registry, and
+bounded concurrent execution of one turn's calls.
+
+A tool is a name, a JSON schema in the OpenAI function-calling form (what
+``tokenizer.apply_chat_template(messages, tools=[...])`` renders) and a callable. Built in:
+
+- ``python``: the ``code`` argument runs as a file in a fresh ``python3 -I`` inside honing's
+  sandbox (``rewards/sandbox.py``: no network, private directory, rlimits, the reward
+  sandbox's ``Limits``), with the call's timeout; the result is stdout, then stderr, then
+  ``[exit status N]`` when it did not exit with 0.
+- ``calculator``: an arithmetic ``expression`` (integers and decimal literals, ``+ - * / //
+  % **``, parentheses) parsed by ``ast`` and walked node by node, never ``eval``: names,
+  attribute access, calls and subscripts are refused. Values are ``Fraction``s, so big
+  integers and decimals stay exact; an exponent must be an integer and every value is kept
+  under ``CALC_MAX_BITS`` bits, so ``10**10**10`` is refused before it is computed. A value that is
+  not an integer is written as a decimal, exact when it terminates, else to ``CALC_DIGITS``
+  significant digits with the exact fraction beside it.
+
+A user tool is ``package.module:function`` or ``path/to/file.py:function``, loaded by the
+reward functions' loader (``rewards/registry.load_callable``). Its schema is derived from
+its signature and docstring: every parameter is named (no ``*args``/``**kwargs``) and
+annotated ``str``, ``int``, ``float`` or ``bool``; a parameter without a default is
+required; the docstring's first paragraph is the tool's description and its ``Args:``
+lines (``name: text``) describe the parameters. It is called with the arguments as keywords
+and returns a string (anything else is sent as JSON). User tools run in this process,
+trusted: what they print is not captured, and one that hangs past its timeout is reported
+and left running on its daemon thread (Python cannot kill a thread).
+
+How a turn's calls are parsed, run and answered is ``rollout/tool_calls.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import operator
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from decimal import Context, Decimal
+from fractions import Fraction
+from typing import Any
+
+from honing.errors import ConfigError, RewardError
+from honing.rewards.registry import describe_error, load_callable
+from honing.rewards.sandbox import Limits, run_sandboxed, sandbox_python
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "number": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+    "boolean": lambda value: isinstance(value, bool),
+}
+
+
+# The calculator's bounds: expression length, bits of any value, digits of an inexact result.
+CALC_MAX_CHARS = 2000
+CALC_MAX_BITS = 1 << 14  # ~4,900 decimal digits
+CALC_DIGITS = 20
+
+_BINARY: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_REFUSED = {
+    ast.Name: "names are not allowed",
+    ast.Attribute: "attribute access is not allowed",
+    ast.Call: "function calls are not allowed",
+    ast.Subscript: "subscripts are not allowed",
+}
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """How a run's rollouts use tools (the ``rollout.tool*`` / ``max_*`` config keys)."""
+
+    tools: tuple[str, ...] = ()
+    """Built-in names (``python``, ``calculator``) and user specs; empty = no tools."""
+    max_turns: int = 4
+    """Assistant turns per sample; the last one gets no tool responses."""
+    max_tool_calls: int = 4
+    """Calls run per turn; further calls in the same turn get an error result."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock deadline of one call."""
+    tool_output_bytes: int = 4096
+    """Bytes of UTF-8 kept of one call's output."""
+    tool_format: str = "hermes"
+    """How calls are written in the model's text (``rollout/tool_format.FORMATS``)."""
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool returns when it has more to say than its text."""
+
+    text: str
+    error: bool = False
+    timed_out: bool = False
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may call by ``name``. ``run(arguments, timeout_s=...,
+    max_output_bytes=...)`` returns a string or a ``ToolOutput`` and may raise (the
+    exception becomes an error result). ``grace_s``: how long past the timeout to wait for a
+    tool that enforces the deadline itself (the sandbox) and reports what it had."""
+
+    name: str
+    schema: dict
+    run: Callable[..., str | ToolOutput]
+    grace_s: float = 0.0
+
+
+def function_schema(name: str, description: str, parameters: dict, required: list[str]) -> dict:
+    """The OpenAI function-calling schema of a tool."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": parameters, "required": required},
+        },
+    }
+
+
+def argument_problem(schema: dict, arguments: Mapping[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit ``schema`` (missing, unknown or mistyped), or None."""
+    parameters = schema["function"]["parameters"]
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", ()) if name not in arguments]
+    if missing:
+        return f"missing argument(s) {', '.join(missing)}"
+    unknown = [name for name in arguments if name not in properties]
+    if unknown:
+        return f"unknown argument(s) {', '.join(unknown)}; expected {', '.join(properties)}"
+    for name, value in arguments.items():
+        expected = properties[name].get("type")
+        if expected in _CHECKS and not _CHECKS[expected](value):
+            return f"argument {name!r} must be {expected}, got {type(value).__name__}"
+    return None
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses or cannot evaluate; the message is for the model."""
+
+
+def calculate(expression: str) -> str:
+    """The exact value of ``expression``, as text.
+
+    Raises:
+        CalculatorError: a refused construct, a too large result, a division by zero or a
+            syntax error.
+    """
+    if len(expression) > CALC_MAX_CHARS:
+        raise CalculatorError(f"expression longer than {CALC_MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise CalculatorError(f"invalid syntax: {exc.msg}") from None
+    except (RecursionError, MemoryError, ValueError):
+        raise CalculatorError("expression too deeply nested or malformed") from None
+    try:
+        return _format(_evaluate(tree.body))
+    except ZeroDivisionError:
+        raise CalculatorError("division by zero") from None
+    except RecursionError:
+        raise CalculatorError("expression too deeply nested") from None
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CalculatorError(f"unsupported literal {value!r}; expected a number")
+        return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        operand = _evaluate(node.operand)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        return _checked(_power(_evaluate(node.left), _evaluate(node.right)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _checked(_BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right)))
+    for kind, reason in _REFUSED.items():
+        if isinstance(node, kind):
+            raise CalculatorError(reason)
+    raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
+
+
+def _power(base: Fraction, exponent: Fraction) -> Fraction:
+    """``base ** exponent`` for an integer exponent, refused before it grows past CALC_MAX_BITS."""
+    if exponent.denominator != 1:
+        raise CalculatorError("the exponent must be an integer")
+    if base in (0, 1) or exponent in (0, 1):
+        return base**exponent
+    if base == -1:
+        return Fraction(-1 if exponent.numerator % 2 else 1)
+    size = max(base.numerator.bit_length(), base.denominator.bit_length())
+    if (size - 1) * abs(exponent.numerator) > CALC_MAX_BITS:
+        raise CalculatorError(f"result too large (over {CALC_MAX_BITS} bits)")
+    return base**exponent.numerator
+
+
+def _checked(value: Fraction) -> Fraction:
+    if max(value.numerator.bit_length(), value.denominator.bit_length()) > CALC_MAX_BITS:
+        raise CalculatorError(f"result too large (over {CALC_MAX_BITS} bits)")
+    return value
+
+
+def _format(value: Fraction) -> str:
+    if value.denominator == 1:
+        return str(value.numerator)
+    denominator, twos, fives = value.denominator, 0, 0
+    while denominator % 2 == 0:
+        denominator, twos = denominator // 2, twos + 1
+    while denominator % 5 == 0:
+        denominator, fives = denominator // 5, fives + 1
+    if denominator == 1:  # a terminating decimal: exact with max(twos, fives) places
+        places = max(twos, fives)
+        scaled = value.numerator * 10**places // value.denominator
+        sign, digits = "-" * (scaled < 0), str(abs(scaled)).rjust(places + 1, "0")
+        return f"{sign}{digits[:-places]}.{digits[-places:]}"
+    context = Context(prec=CALC_DIGITS)
+    approx = context.divide(Decimal(value.numerator), Decimal(value.denominator))
+    return f"{approx} (= {value.numerator}/{value.denominator})"
+
+
+def python_tool(limits: Limits | None = None, backend: str = "auto") -> Tool:
+    """The built-in ``python`` tool over the sandbox, with ``limits`` (the reward sandbox's
+    by default) whose timeout and output bound each call replaces with its own."""
+    base = limits or Limits()
+
+    def run(arguments: dict, *, timeout_s: float, max_output_bytes: int) -> ToolOutput:
+        call_limits = replace(base, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
+        done = run_sandboxed(
+            [sandbox_python(backend), "-I", "main.py"],
+            files={"main.py": arguments["code"]},
+            limits=call_limits,
+            backend=backend,
+        )
+        parts = [done.stdout, done.stderr]
+        if done.timed_out:
+            parts.append(f"[timed out after {timeout_s:g} s]")
+        elif done.returncode != 0:
+            parts.append(
+                f"[exit status {done.returncode}{f' ({done.signal})' * bool(done.signal)}]"
+            )
+        text = "\n".join(part.rstrip("\n") for part in parts if part)
+        cut = done.stdout_truncated or done.stderr_truncated
+        failed = done.timed_out or done.returncode != 0
+        return ToolOutput(text, error=failed, timed_out=done.timed_out, truncated=cut)
+
+    description = (
+        "Run a Python 3 program in a fresh sandboxed interpreter (no network, no files kept "
+        "between calls) and return what it printed (stdout, then stderr)."
+    )
+    code = {"code": {"type": "string", "description": "The program; print what you need."}}
+    return Tool("python", function_schema("python", description, code, ["code"]), run, 2.0)
+
+
+def calculator_tool() -> Tool:
+    """The built-in ``calculator`` tool (``rollout/calculator.py``)."""
+
+    def run(arguments: dict, **_budget: Any) -> str | ToolOutput:
+        try:
+            return calculate(arguments["expression"])
+        except CalculatorError as exc:
+            return ToolOutput(f"error: {exc}", error=True)
+
+    description = (
+        "Evaluate an arithmetic expression exactly: integers and decimals, + - * / // % ** "
+        "and parentheses."
+    )
+    expression = {"expression": {"type": "string", "description": "e.g. (12345678 * 87) // 7"}}
+    return Tool(
+        "calculator", function_schema("calculator", description, expression, ["expression"]), run
+    )
+
+
+def user_tool(spec: str) -> Tool:
+    """A user tool from ``package.module:function`` or ``path/to/file.py:function``.
+
+    Raises:
+        ConfigError: it cannot be loaded, or its signature is not one a schema can describe.
+    """
+    try:
+        fn = load_callable(spec, kind="tool")
+    except RewardError as exc:
+        raise ConfigError(str(exc)) from None
+    name = getattr(fn, "__name__", spec.rpartition(":")[2])
+    schema = signature_schema(name, fn, spec)
+
+    def run(arguments: dict, **_budget: Any) -> str:
+        value = fn(**arguments)
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+
+    return Tool(name, schema, run)
+
+
+def signature_schema(name: str, fn: Callable, spec: str) -> dict:
+    """The schema of ``fn`` from its signature and docstring (module docstring's rules).
+
+    Raises:
+        ConfigError: a parameter is variadic or not annotated with str, int, float or bool.
+    """
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as exc:  # noqa: BLE001 - annotations are user code
+        raise ConfigError(
+            f"tool {spec!r}: cannot read its annotations ({describe_error(exc)})"
+        ) from None
+    documented = _documented_arguments(inspect.getdoc(fn) or "")
+    properties, required = {}, []
+    for parameter in inspect.signature(fn).parameters.values():
+        kind = _JSON_TYPES.get(hints.get(parameter.name))
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or kind is None:
+            raise ConfigError(
+                f"tool {spec!r}: parameter {parameter.name!r} cannot be described; expected "
+                "named parameters annotated str, int, float or bool"
+            )
+        properties[parameter.name] = {"type": kind}
+        if parameter.name in documented:
+            properties[parameter.name]["description"] = documented[parameter.name]
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    summary = (inspect.getdoc(fn) or name).split("\n\n")[0].replace("\n", " ")
+    return function_schema(name, summary, properties, required)
+
+
+def _documented_arguments(doc: str) -> dict[str, str]:
+    """``name -> text`` from a Google-style ``Args:`` section."""
+    found, inside = {}, False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:", "Parameters:"):
+            inside = True
+        elif inside and stripped and not line.startswith(" "):
+            break
+        elif inside and ":" in stripped:
+            name, _, text = stripped.partition(":")
+            found[name.split(" ")[0]] = text.strip()
+    return found
+
+
+def build_tools(
+    specs: Sequence[str], limits: Limits | None = None, backend: str = "auto"
+) -> dict[str, Tool]:
+    """The run's tools by name from ``specs`` (``python``, ``calculator`` or a user spec).
+
+    Raises:
+        ConfigError: an unknown name, a user tool that cannot be loaded, or two tools with
+            one name.
+    """
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        spec = spec.strip()
+        if spec == "python":
+            tool = python_tool(limits, backend)
+        elif spec == "calculator":
+            tool = calculator_tool()
+        elif ":" in spec:
+            tool = user_tool(spec)
+        else:
+            raise ConfigError(
+                f"unknown tool {spec!r}; expected python, calculator, "
+                "'package.module:function' or 'path/to/file.py:function'"
+            )
+        if tool.name in tools:
+            raise ConfigError(f"two tools are named {tool.name!r} (from {spec!r}); rename one")
+        tools[tool.name] = tool
+    return tools
