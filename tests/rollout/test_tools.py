@@ -57,6 +57,10 @@ def stuck(seconds: float) -> str:
     return "woke"
 
 
+def flood(megabytes: int) -> str:
+    return "z" * (megabytes << 20)
+
+
 def untyped(x):
     return x
 '''
@@ -325,6 +329,10 @@ def test_hundred_megabytes_of_output_are_cut_to_the_bound():
     result = _python("import sys\nsys.stdout.write('y' * 100_000_000)", max_bytes=1000)
     assert result.truncated and result.output == "y" * 1000 + "\n[truncated]"
     assert not result.timed_out and result.latency_s < 4.0
+    both = _python(
+        "import sys\nprint('o' * 800)\nprint('e' * 800, file=sys.stderr)", max_bytes=1000
+    )
+    assert both.truncated and both.output == "o" * 800 + "\n" + "e" * 199 + "\n[truncated]"
 
 
 # Concurrency
@@ -407,6 +415,12 @@ def test_a_user_tool_that_raises_or_hangs_is_an_error_result(user_file):
     assert raised.error and raised.output == "error: RuntimeError: bad input boom"
     assert hung.timed_out and hung.output == "error: tool 'stuck' timed out after 0.3 s"
     assert quick.output == "woke" and not quick.error
+
+
+def test_a_user_tool_returning_100_megabytes_is_cut_to_the_bound(user_file):
+    tools = build_tools([f"{user_file}:flood"])
+    [result] = run_calls([_call("flood", megabytes=100)], tools, 5.0, max_output_bytes=2000)
+    assert result.truncated and result.output == "z" * 2000 + "\n[truncated]"
 
 
 @pytest.mark.parametrize(
