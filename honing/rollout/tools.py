@@ -91,7 +91,7 @@ class ToolSettings:
     tool_output_bytes: int = 4096
     """Bytes of UTF-8 kept of one call's output."""
     tool_format: str = "hermes"
-    """How calls are written in the model's text (``rollout/tool_format.FORMATS``)."""
+    """How calls are written in the model's text (``rollout/tool_calls.FORMATS``)."""
 
 
 @dataclass(frozen=True)
@@ -246,10 +246,10 @@ def python_tool(limits: Limits | None = None, backend: str = "auto") -> Tool:
         parts = [done.stdout, done.stderr]
         if done.timed_out:
             parts.append(f"[timed out after {timeout_s:g} s]")
+        elif done.signal:
+            parts.append(f"[killed by {done.signal}]")
         elif done.returncode != 0:
-            parts.append(
-                f"[exit status {done.returncode}{f' ({done.signal})' * bool(done.signal)}]"
-            )
+            parts.append(f"[exit status {done.returncode}]")
         text = "\n".join(part.rstrip("\n") for part in parts if part)
         cut = done.stdout_truncated or done.stderr_truncated
         failed = done.timed_out or done.returncode != 0
@@ -264,7 +264,7 @@ def python_tool(limits: Limits | None = None, backend: str = "auto") -> Tool:
 
 
 def calculator_tool() -> Tool:
-    """The built-in ``calculator`` tool (``rollout/calculator.py``)."""
+    """The built-in ``calculator`` tool (``calculate``; module docstring)."""
 
     def run(arguments: dict, **_budget: Any) -> str | ToolOutput:
         try:
