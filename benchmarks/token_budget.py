@@ -1,11 +1,12 @@
 """Token-budget micro-batches against sequence-count ones: the policy update's step time on a
 mixed-length batch (a few long sequences among many short ones).
 
-The workload: a ~47M-parameter Llama (hidden 512, 10 layers, 8 heads over 2 KV heads, 32k
-vocabulary), random weights; one mini-batch of ``--rows`` sequences, ``--long-rows`` of them
-``--long`` tokens and the rest ``--short`` (a 64-token prompt each, the rest response); one
-GRPO update of it per step (``trainer.policy_update.update_policy``, one process, AdamW,
-on-policy, the packed forward where the model takes it, bfloat16 autocast on CUDA).
+The workload: grpo_step's random ~47M-parameter model (``M50``: a Qwen2, Llama-family for the
+packed forward; hidden 512, 10 layers, 8 heads over 2 KV heads, 32k vocabulary; made under
+runs/bench/models/ with 4,096 positions); one mini-batch of ``--rows`` sequences, ``--long-rows``
+of them ``--long`` tokens and the rest ``--short`` (a 64-token prompt each, the rest
+response); one GRPO update of it per step (``trainer.policy_update.update_policy``, one
+process, AdamW, on-policy, the packed forward, bfloat16 autocast on CUDA).
 
 The splits compared (``--budget``, ``--counts``):
 
@@ -23,8 +24,8 @@ allocated during the update.
 
     .venv/bin/python -m benchmarks.token_budget [--quick] [--budget 2048] [--counts 1,4]
 
-Writes benchmarks/results/token_budget.{json,md} (``--quick``: token_budget_quick.*, a tiny
-model and batch that finish in seconds, to check the script runs).
+Writes benchmarks/results/token_budget.{json,md} (``--quick``: token_budget_quick.*, grpo_step's
+0.6M-parameter peer model and a small batch, seconds, to check the script runs).
 """
 
 from __future__ import annotations
@@ -37,33 +38,25 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.grpo_step import M50, PEER, SEED
+from benchmarks.grpo_workloads import ModelSpec, build_model_dir
 from benchmarks.moe import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+WORK = ROOT / "runs" / "bench"
 PROMPT = 64
-SHAPE = {
-    "hidden_size": 512,
-    "num_hidden_layers": 10,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "intermediate_size": 1536,
-    "vocab_size": 32768,
-}
-QUICK_SHAPE = SHAPE | {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
-QUICK_SHAPE |= {"vocab_size": 4096}
 
 
-def build_model(shape: dict, positions: int, device):
-    """A Llama of ``shape`` with random weights (one seed), fp32, train mode."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(spec: ModelSpec, device):
+    """grpo_step's random model of ``spec`` (its directory under runs/bench/models/, made once),
+    fp32, train mode, SDPA attention."""
+    from honing.models.loading import load_causal_lm, load_tokenizer
 
-    config = LlamaConfig(
-        **shape, max_position_embeddings=positions, tie_word_embeddings=True, pad_token_id=0
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().to(device).train()
+    model_dir = WORK / "models" / spec.name
+    build_model_dir(spec, model_dir, SEED)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, tokenizer, dtype="float32", device=device).train()
     model.set_attn_implementation("sdpa")
     return model
 
@@ -76,21 +69,13 @@ def mixed_batch(lengths: list[int], vocab: int, device):
     from honing.types import Rollout
 
     ids = torch.Generator().manual_seed(1)
-    rollouts = []
-    for row, length in enumerate(lengths):
-        tokens = torch.randint(3, vocab, (length,), generator=ids).tolist()
-        rollouts.append(
-            Rollout(
-                prompt_id=f"p{row}",
-                group_index=row,
-                prompt_ids=tokens[:PROMPT],
-                response_ids=tokens[PROMPT:],
-                behaviour_logprobs=[0.0] * (length - PROMPT),
-                finish_reason="length",
-                weight_version=0,
-                text="",
-            )
+    rows = [torch.randint(3, vocab, (length,), generator=ids).tolist() for length in lengths]
+    rollouts = [
+        Rollout(
+            f"p{i}", i, row[:PROMPT], row[PROMPT:], [0.0] * (len(row) - PROMPT), "length", 0, ""
         )
+        for i, row in enumerate(rows)
+    ]
     return collate(rollouts, 0, device)
 
 
@@ -142,11 +127,11 @@ def measure(args) -> dict:
     from honing.trainer.policy_update import UpdateSettings
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape = QUICK_SHAPE if args.quick else SHAPE
+    spec = PEER if args.quick else replace(M50, name="m50_v32k_p4096", max_positions=4096)
     lengths = batch_lengths(args.rows, args.long_rows, args.long, args.short)
-    model = build_model(shape, max(lengths), device)
+    model = build_model(spec, device)
     trainer = TrainedModule("policy", model, torch.optim.AdamW(model.parameters(), lr=1e-6))
-    batch = mixed_batch(lengths, shape["vocab_size"], device)
+    batch = mixed_batch(lengths, model.config.vocab_size, device)
     advantages = torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(2))
     advantages = advantages.to(device) * batch.response_mask
     base = UpdateSettings(grad_clip=1.0, autocast="bfloat16" if device.type == "cuda" else "none")
@@ -187,7 +172,7 @@ def table(result: dict, command: str) -> list[str]:
         f"`{command}` on {result['device']} ({os.cpu_count()} CPU cores): one update of "
         f"{len(result['lengths'])} sequences ({result['lengths'].count(max(result['lengths']))}"
         f" of {max(result['lengths'])} tokens, the rest {min(result['lengths'])}), a "
-        f"{result['parameters'] / 1e6:.1f}M-parameter Llama, random weights; medians over "
+        f"{result['parameters'] / 1e6:.1f}M-parameter Qwen2, random weights; medians over "
         "alternating rounds",
         "",
         "| split | update s (median) | vs token budget | micro-batches | largest micro-batch, "
