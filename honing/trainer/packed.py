@@ -363,7 +363,9 @@ def _block(q, k, v, layout: PackedLayout, scaling: float) -> torch.Tensor:
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=layout.sees,  # [n, 1, T, S], boolean: a quarter of a float mask
+            # [n, 1, T, S], additive, made once: a boolean mask would be turned into a float
+            # one by every layer's call, and each kept for its backward pass
+            attn_mask=layout.additive()[:, :, 0],
             scale=scaling,
             enable_gqa=heads != kv_heads,
         )  # [n, H, T, D]

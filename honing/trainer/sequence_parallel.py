@@ -216,8 +216,9 @@ def whole_mask(
     query that sees no real key (padding) sees itself: no empty softmax; its output is never
     scored."""
     starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
-    if attention_mask is None and not starts.any():
-        return None
+    unpadded = attention_mask is None or bool(attention_mask.all())
+    if unpadded and not starts.any():
+        return None  # causal: no [T, T] mask kept by every layer
     sequence = starts.cumsum(-1)  # [B, T]
     length = position_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
