@@ -188,8 +188,11 @@ class Leader:
 
     def __init__(self, group, parts: Components, config: Config):
         self.group, self.parts, self.config = group, parts, config
-        sharded = parts.trainers.policy.is_sharded
+        policy = parts.trainers.policy
+        sharded = policy.is_sharded
         self.shared = SHARDED_OPS if sharded else REPLICATED_OPS
+        if policy.passes_together and not sharded:  # sequence-parallel replicas
+            self.shared = REPLICATED_OPS | {"forward"}
         self.send_state = not sharded  # replicas built from model.path: rank 0's state first
         self.busy = False  # inside collectives the others run too (an update, a generation)
         self.announced = False  # inside an op the others run

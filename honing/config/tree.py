@@ -216,6 +216,10 @@ class TrainerConfig:
     fsdp_reshard_after_forward: bool = _opt(True)  # fsdp: free gathered layers after forward
     # fsdp: the dtype parameters are cast to for compute (gradients reduce in float32)
     fsdp_param_dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
+    # Under torchrun: ranks per sequence (Ulysses; honing/trainer/sequence_parallel.py). The
+    # W ranks form W/N data-parallel slots of N consecutive ranks, which share each sequence
+    # of their rows: activations per rank ~1/N. 1 = off
+    sequence_parallel: int = _opt(1, ge=1)
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,7 @@ def trainer_layout(config: Config, group, log=print):
         reshard_after_forward=t.fsdp_reshard_after_forward,
         param_dtype=t.fsdp_param_dtype,
         param_offload=memory.param_offload,
+        sequence=t.sequence_parallel,
     )
 
 

@@ -24,7 +24,7 @@ from honing.models.loading import is_lora
 from honing.pipeline.components import Components
 from honing.pipeline.peers import Alone, Peers
 from honing.rollout.base import Holding
-from honing.trainer.batch import RouterTap, TrainBatch, collate, response_logprobs
+from honing.trainer.batch import RouterTap, TrainBatch, collate
 from honing.trainer.engine import TrainerEngine
 from honing.trainer.policy_update import autocast
 from honing.types import Rollout
@@ -90,7 +90,7 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
     width = batch.responses.shape[1]
 
     def logprobs_of(model, tap=None):
-        return lambda rows: response_logprobs(
+        return lambda rows: policy.response_logprobs(
             model, rows, temperature=update.temperature, packed=update.packed, tap=tap
         )[0]
 

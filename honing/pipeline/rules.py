@@ -29,7 +29,8 @@ def check_config(config: Config, world_size: int = 1) -> None:
     for check in checks:
         check(config)
     _backend(config, world_size)
-    _ranks(config, world_size)
+    _sequence_parallel(config, world_size)
+    _ranks(config, world_size // config.trainer.sequence_parallel)
     _vllm(config, world_size)
     if config.schedule.partial_rollout and world_size > 1:
         raise ConfigError(
@@ -321,6 +322,39 @@ def _ranks(config: Config, world_size: int) -> None:
             f"group_size={r.group_size}, trainer.mini_batch_size={mini}) cannot be shared by "
             f"{world_size} torchrun ranks; {fix}, or run at most {smallest} ranks"
         )
+
+
+def _sequence_parallel(config: Config, world_size: int) -> None:
+    """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
+    come in whole groups of N; and what its logprob passes do not carry across the group
+    (the critic's value passes, the routers' statistics, plans and losses, LoRA's adapters
+    switched off for the reference) is refused. What the model must be (heads N divides,
+    full causal attention, its family) is checked when it has loaded."""
+    n = config.trainer.sequence_parallel
+    if n == 1:
+        return
+    key = f"trainer.sequence_parallel={n}"
+    if world_size <= 1:
+        raise ConfigError(
+            f"{key} needs torchrun ranks to share each sequence; launch with torchrun "
+            f"--nproc_per_node {n} (or a multiple), or set trainer.sequence_parallel=1"
+        )
+    if world_size % n:
+        raise ConfigError(
+            f"{key}: {world_size} torchrun ranks do not split into groups of {n}; launch a "
+            f"multiple of {n} ranks"
+        )
+    algo = config.algorithm
+    for unsupported, what, why in (
+        (algo.advantage == "gae", "algorithm.advantage=gae", "the critic's passes are not shared"),
+        (algo.routing_replay != "off", "algorithm.routing_replay", "plans are not split by rank"),
+        (algo.router_aux_coef or algo.router_z_coef, "MoE router losses", "need every token"),
+        (config.model.lora_rank, "model.lora_rank (LoRA)", "its reference pass is not shared"),
+        (config.rollout.speculative == "mtp", "rollout.speculative=mtp", "heads train alone"),
+        (config.schedule.mode != "sync", "schedule.mode", "the producer's passes run alone"),
+    ):
+        if unsupported:
+            raise ConfigError(f"{key} does not take {what} ({why}); set sequence_parallel=1")
 
 
 def _backend(config: Config, world_size: int) -> None:

@@ -11,8 +11,11 @@ for what depends on that layout:
   step, skipped when their norm is not finite), ``reduce(totals, how)`` (metric sums, or
   maxima, over processes);
 - passes without gradient: ``forward_rows(compute, batch, width)`` (a pass over the batch's
-  rows as the layout runs it, every rank's rows gathered when sharded) and
-  ``lay_out_alike(module)`` (a frozen module, the reference, laid out the same way);
+  rows as the layout runs it, every rank's rows gathered when sharded or sequence-parallel)
+  and ``lay_out_alike(module)`` (a frozen module, the reference, laid out the same way);
+- ``response_logprobs(model, batch, **options)``: the logprob pass of this module (or its
+  reference) as the layout runs it (with sequence parallelism, each row shared by the ranks
+  of a slot, the whole [B, R] on each);
 - weights: ``weights(...)`` for the rollout engines, as buckets of (name, tensor) pieces of
   bounded size, never one whole copy; ``whole_tensors(...)`` one at a time (a checkpoint's
   Hugging Face files); ``load_tensors(pieces)``; ``generation_module``, what an in-process
@@ -23,7 +26,9 @@ for what depends on that layout:
   use) moved while it is idle; ``state_bytes()``;
 - ``learning_rates()`` / ``set_learning_rates(rates)`` / ``advance_schedule()`` /
   ``scale_lr(scale)``: the one place its learning rates are read and written;
-- ``is_sharded`` (every pass runs on every rank together) and ``world_size``.
+- ``is_sharded`` (each rank holds a shard), ``passes_together`` (every pass without
+  gradient runs on every rank together: sharded, or sequence-parallel), ``world_size`` and
+  ``data_parallel_size`` (the slots the rows are dealt to: ranks / sequence_parallel).
 
 ``TrainedModule`` implements it for every layout; ``TrainedModule.laid_out`` lays a module
 out before its optimizer is made, as sharding requires.
@@ -65,6 +70,14 @@ class TrainerEngine(Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def passes_together(self) -> bool: ...
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    def response_logprobs(self, model: nn.Module, batch, **options) -> tuple: ...
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
@@ -121,9 +134,11 @@ def make_layout(
     reshard_after_forward: bool = True,
     param_dtype: str = "float32",
     param_offload: bool = False,
+    sequence: int = 1,
 ) -> Layout:
     """The layout of ``trainer.strategy`` (``replicate`` | ``fsdp``) over the torchrun
-    ``group``; whole in this process when there is no group."""
+    ``group``, ``sequence`` ranks sharing each sequence (``trainer.sequence_parallel``);
+    whole in this process when there is no group."""
     if group is None:
         return OneProcess()
     if strategy == "fsdp":
@@ -132,8 +147,9 @@ def make_layout(
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
             param_offload=param_offload,
+            sequence=sequence,
         )
-    return Replicated(group)
+    return Replicated(group, sequence)
 
 
 def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch.Tensor, bool]:
@@ -231,6 +247,22 @@ class TrainedModule:
     def world_size(self) -> int:
         """The number of processes sharing the module."""
         return self.layout.world
+
+    @property
+    def passes_together(self) -> bool:
+        """Whether every pass without gradient runs on every rank together (sharded, or
+        sequences shared by several ranks): the other ranks must join each one."""
+        return self.layout.passes_together
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of row shares a mini-batch is dealt into (ranks / sequence_parallel)."""
+        return self.layout.slots
+
+    def response_logprobs(self, model: nn.Module, batch, **options) -> tuple:
+        """``batch.response_logprobs(model, batch, **options)`` as this module's passes run
+        (``model``: the module, or its reference laid out alike)."""
+        return self.layout.logprobs(model, batch, **options)
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0

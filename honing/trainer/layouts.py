@@ -9,6 +9,14 @@ Micro-batches come by a count of rows (``size``) or, with a token budget (``budg
 ``trainer.max_tokens_per_micro``), by tokens: ``token_shares`` deals a mini-batch's rows to the
 ranks so that each gets about as many tokens, and each rank packs its rows into micro-batches
 of at most ``budget`` padded tokens (``pack_rows``).
+
+With sequence parallelism (``trainer.sequence_parallel=N``, ``sequence_slots``) the torchrun
+ranks form W/N data-parallel slots of N consecutive ranks: rows are dealt to the slots, every
+rank of a slot runs the same rows and shares each sequence (Ulysses, ``sequence_parallel``),
+its logprob passes (``Layout.logprobs``) give every rank of the slot the whole [B, R], and
+each rank's gradient is its own tokens' part: the sum over all W ranks, which the gradient
+reduction takes anyway, is the one-process gradient. Metrics, alike on a slot's ranks, are
+summed over one rank per slot.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from honing.errors import ConfigError
+from honing.models.moe import routers_of
+from honing.trainer.batch import response_logprobs
+from honing.trainer.sequence_packed import shared_logprobs
+from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
+
 
 class Layout(ABC):
     """What differs between layouts; every pass and copy of a laid-out module goes through
@@ -29,12 +43,33 @@ class Layout(ABC):
         rank, world: this process's rank and the number of processes sharing the module.
         collective: every pass of the module is run by every rank together (sharded).
         group: the torchrun process group (None in one process).
+        sp: the ranks sharing each sequence with this one (alone without SP).
+        slot, slots, dp: this rank's data-parallel slot, their number, and the group of one
+            rank per slot that holds this one (``group`` itself without SP).
     """
 
     rank: int = 0
     world: int = 1
     collective: bool = False
     group = None
+    sp: SequenceGroup = SequenceGroup.alone()
+    slot: int = 0
+    slots: int = 1
+    dp = None
+
+    @property
+    def passes_together(self) -> bool:
+        """Every pass without gradient is run by every rank together: sharded, or sequences
+        shared by several ranks."""
+        return self.collective or self.sp.world > 1
+
+    def logprobs(self, model: nn.Module, batch, **options) -> tuple:
+        """``response_logprobs(model, batch, **options)`` as this layout runs a logprob pass:
+        under SP every rank of the slot on the same rows, each its share of every sequence
+        (``sequence_packed.shared_logprobs``), the whole [B, R] on each."""
+        if self.sp.world == 1:
+            return response_logprobs(model, batch, **options)
+        return shared_logprobs(model, batch, self.sp, **options)
 
     def prepare(self, module: nn.Module) -> nn.Module:
         """The module laid out (sharded in place when the layout shards); before the
@@ -102,6 +137,67 @@ def reduce_across(
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+def sequence_slots(layout: Layout, sequence: int) -> None:
+    """Sets ``layout``'s ``sp``, ``slot``, ``slots`` and ``dp`` for ``sequence`` ranks per
+    sequence over its ``group``: slot s is ranks sN .. sN + N - 1. Every rank makes every SP
+    and DP group, in the same order, as ``new_group`` requires."""
+    layout.slot, layout.slots, layout.dp = layout.rank, layout.world, layout.group
+    if sequence == 1:
+        return
+    if layout.world % sequence:
+        raise ConfigError(
+            f"trainer.sequence_parallel={sequence}: {layout.world} torchrun ranks do not "
+            f"split into groups of {sequence}"
+        )
+    ranks = dist.get_process_group_ranks(layout.group)
+    layout.slot, layout.slots = layout.rank // sequence, layout.world // sequence
+    for start in range(0, layout.world, sequence):
+        made = dist.new_group(ranks[start : start + sequence])
+        if start == layout.slot * sequence:
+            layout.sp = SequenceGroup.of(made)
+    for offset in range(sequence):
+        made = dist.new_group(ranks[offset::sequence])
+        if offset == layout.rank % sequence:
+            layout.dp = made
+
+
+def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
+    """``module`` with the Ulysses attention for ``sequence`` ranks (unchanged for 1); what it
+    refuses, as a ``ConfigError``."""
+    if sequence == 1:
+        return module
+    key = f"trainer.sequence_parallel={sequence}"
+    if routers_of(module) is not None:
+        raise ConfigError(
+            f"{key} does not take a mixture-of-experts policy (its routers' statistics are "
+            "not gathered across the ranks sharing a sequence); set sequence_parallel=1"
+        )
+    try:
+        return use_ulysses(module, sequence)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
+def rowwise_by_slots(layout: Layout, compute: Callable, batch, width: int) -> torch.Tensor:
+    """``compute(rows)`` of this rank's slot's rows (``layout.rows``: as many on every slot,
+    a short one's padded), every slot's results gathered into the batch's [B, width] on every
+    rank."""
+    count = len(batch)
+    index = torch.arange(count)
+    most = max(-(-count // layout.slots), 1)
+    [(mine, _)] = layout.rows(index, most)
+    local = compute(batch.select(mine))  # [b, w <= width]
+    padded = torch.zeros(most, width, dtype=local.dtype, device=local.device)
+    padded[: len(local), : local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(layout.slots)]
+    dist.all_gather(parts, padded.contiguous(), group=layout.dp)
+    out = torch.zeros(count, width, dtype=local.dtype, device=local.device)
+    for slot, part in enumerate(parts):
+        rows = index[slot :: layout.slots]
+        out[rows] = part[: len(rows)]
+    return out
+
+
 def pack_rows(index: torch.Tensor, tokens: torch.Tensor, budget: int) -> list[torch.Tensor]:
     """``index`` cut into micro-batches of at most ``budget`` padded tokens: the rows longest
     first, each micro-batch as many as fit when every one of them costs its first (longest)
@@ -166,29 +262,34 @@ class OneProcess(Layout):
 
 
 class Replicated(Layout):
-    """torchrun data parallelism: the whole module on every rank of ``group``; rank r runs
-    rows r, r + W, ... of each mini-batch (under a token budget, its share of the rows dealt
-    by their tokens), and the summed gradients (one all-reduce per
-    optimizer step) give every rank the single-process step, so every rank holds the same
-    weights and optimizer state. Passes without gradients run on one rank alone, as in one
-    process."""
+    """torchrun data parallelism: the whole module on every rank of ``group``; slot s runs
+    rows s, s + S, ... of each mini-batch (under a token budget, its share of the rows dealt
+    by their tokens; a slot is one rank, or ``sequence`` ranks sharing each sequence), and
+    the summed gradients (one all-reduce over every rank per optimizer step) give every rank
+    the single-process step, so every rank holds the same weights and optimizer state.
+    Passes without gradients run on one rank alone, as in one process; under SP every rank
+    runs them together, each slot its rows (``rowwise_by_slots``)."""
 
-    def __init__(self, group):
+    def __init__(self, group, sequence: int = 1):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        sequence_slots(self, sequence)
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        return with_ulysses(module, self.sp.world)
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
     ) -> list[tuple[torch.Tensor, int]]:
-        if len(index) < self.world:
+        if len(index) < self.slots:
             raise ValueError(
-                f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
+                f"a mini-batch of {len(index)} sequences cannot be shared by {self.slots} "
                 "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
             )
         if budget:
-            mine = token_shares(index, tokens, self.world, budget)[self.rank]
+            mine = token_shares(index, tokens, self.slots, budget)[self.slot]
         else:
-            mine = torch.split(index[self.rank :: self.world], size)
+            mine = torch.split(index[self.slot :: self.slots], size)
         return [(c, len(c)) for c in mine]
 
     def reduce_gradients(self, module: nn.Module) -> None:
@@ -201,4 +302,9 @@ class Replicated(Layout):
             param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
 
     def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
-        return reduce_across(totals, self.group, how)
+        return reduce_across(totals, self.dp, how)
+
+    def rowwise(self, compute: Callable, batch, width: int) -> torch.Tensor:
+        if self.sp.world == 1:
+            return compute(batch)
+        return rowwise_by_slots(self, compute, batch, width)

@@ -90,15 +90,17 @@ def micro_step(
     counts: tuple,
     settings: UpdateSettings,
     tap: RouterTap | None = None,
+    logprobs_of=response_logprobs,
 ) -> dict[str, torch.Tensor]:
     """Forward + backward of one micro-batch; returns its (detached) metric contributions.
-    ``tap``: an MoE policy's routers (statistics, logits for the router losses)."""
+    ``tap``: an MoE policy's routers (statistics, logits for the router losses);
+    ``logprobs_of``: the logprob pass (the trainer engine's, as its layout runs it)."""
     # Normalisers of the whole mini-batch (and the whole batch's response width), so that
     # any micro-batch split gives the same gradient.
     num_tokens, num_seqs, scale_len = counts
     norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_len": scale_len}
     with autocast(settings.autocast, micro.input_ids.device):
-        logprobs, entropy = response_logprobs(
+        logprobs, entropy = logprobs_of(
             model,
             micro,
             temperature=settings.temperature,
@@ -152,7 +154,7 @@ def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, 
 def row_tokens(batch: TrainBatch) -> torch.Tensor:
     """[B] (host) each row's tokens as a token budget counts them: the prompt width and its
     response, the width it is padded to in a micro-batch of rows no longer than itself."""
-    return (batch.prompt_width + batch.response_mask.sum(-1)).long().cpu()
+    return (batch.prompt_width + batch.response_real.sum(-1)).long().cpu()
 
 
 def split_metrics(
@@ -168,7 +170,7 @@ def split_metrics(
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     most = trainer.reduce({"tokens": numbers(own), "micros": numbers(micros)}, how="max")
-    mean = numbers(whole) / trainer.world_size
+    mean = numbers(whole) / trainer.data_parallel_size
     return {
         "perf/token_imbalance": float((most["tokens"] / mean).mean()),
         "perf/micro_batches": float(most["micros"].mean()),
@@ -243,6 +245,7 @@ def update_policy(
                 counts,
                 settings,
                 tap,
+                trainer.response_logprobs,
             )
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value

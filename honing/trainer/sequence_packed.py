@@ -32,6 +32,7 @@ from honing.trainer.sequence_parallel import (
     check_model,
     local_head,
     repeat_kv,
+    sequence_parallel_logprobs,
     to_heads,
     to_sequence,
 )
@@ -88,7 +89,7 @@ def packed_sequence_parallel_logprobs(
     mine = (layout.predictors >= start) & (layout.predictors < stop)  # [T]
     base = unwrap(model)
     hidden = rms_norm(x[layout.predictors[mine] - start], norm_of(base.model.norm))
-    real = batch.response_mask.bool()
+    real = batch.response_real.bool()
     logprobs, entropy = local_head(base, hidden, batch.responses[real][mine], **options)
 
     def whole(values: torch.Tensor) -> torch.Tensor:
@@ -99,3 +100,17 @@ def packed_sequence_parallel_logprobs(
         )
 
     return whole(logprobs), None if entropy is None else whole(entropy)
+
+
+def shared_logprobs(
+    model: nn.Module, batch, sp: SequenceGroup, *, packed: bool = False, tap=None, **options
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs``' pass with each row shared by the SP group: the packed forward
+    where ``packed`` and the model takes it, else the model's own; ``options``: temperature,
+    with_entropy, entropy_grad. A router ``tap`` is refused: each rank's routers see a
+    slice."""
+    if tap is not None:
+        raise ValueError("a sequence-parallel pass takes no router tap: its ranks see a slice")
+    if packed and packed_supported(model) is True:
+        return packed_sequence_parallel_logprobs(model, batch, sp, **options)
+    return sequence_parallel_logprobs(model, batch, sp, **options)

@@ -15,10 +15,18 @@ tensor at a time (``gathered``), every rank taking part.
 Mixed precision (``trainer.fsdp_param_dtype``): parameters are cast for compute, gradients
 reduced in float32. ``memory.param_offload``: parameters, gradients and the optimizer step on
 the host (FSDP2's CPU offload; CUDA only, a no-op on the CPU).
+
+With sequence parallelism the shards still span every rank: the ranks of a slot run the same
+rows, each its share of every sequence, and FSDP's reduce-scatter (a sum, as above) adds the
+parts of every rank of every slot, the one-process gradient. A shared logprob pass calls the
+decoder and the head directly, not the model's ``forward``, so it runs inside the root's
+gather and post-backward hooks through ``run_in_forward``, registered as an FSDP forward
+method.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -27,7 +35,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from honing.errors import ConfigError
-from honing.trainer.layouts import Layout, reduce_across, token_shares
+from honing.trainer.layouts import (
+    Layout,
+    reduce_across,
+    rowwise_by_slots,
+    sequence_slots,
+    token_shares,
+    with_ulysses,
+)
+from honing.trainer.sequence_packed import shared_logprobs
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,9 +73,11 @@ class Sharded(Layout):
         reshard_after_forward: bool = True,
         param_dtype: str = "float32",
         param_offload: bool = False,
+        sequence: int = 1,
     ):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        sequence_slots(self, sequence)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = DTYPES[param_dtype]
         self.param_offload = param_offload
@@ -72,7 +90,10 @@ class Sharded(Layout):
             FSDPModule,
             MixedPrecisionPolicy,
             fully_shard,
+            register_fsdp_forward_method,
         )
+
+        module = with_ulysses(module, self.sp.world)
 
         device = next(module.parameters()).device
         mesh = DeviceMesh.from_group(self.group, device.type)
@@ -100,6 +121,8 @@ class Sharded(Layout):
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(1.0)  # summed, not averaged (see the module)
                 unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+        module.run_in_forward = types.MethodType(run_in_forward, module)
+        register_fsdp_forward_method(module, "run_in_forward")
         return module
 
     def rows(
@@ -108,19 +131,19 @@ class Sharded(Layout):
         """Rows rank, rank + W, ... in micro-batches of ``size`` (or, with a token
         ``budget``, this rank's share packed by tokens), as many on every rank: a rank with
         fewer rows repeats a row of its own, masked (the second item: real rows)."""
-        if len(index) < self.world:
+        if len(index) < self.slots:
             raise ValueError(
-                f"a mini-batch of {len(index)} sequences cannot be shared by {self.world} "
+                f"a mini-batch of {len(index)} sequences cannot be shared by {self.slots} "
                 "ranks; raise trainer.mini_batch_size or use fewer ranks"
             )
         if budget:
-            shares = token_shares(index, tokens, self.world, budget)
-            mine = [(chunk, len(chunk)) for chunk in shares[self.rank]]
+            shares = token_shares(index, tokens, self.slots, budget)
+            mine = [(chunk, len(chunk)) for chunk in shares[self.slot]]
             shortest = mine[-1][0][-1:]  # the cheapest row to run masked
             most = max(len(share) for share in shares)
             return mine + [(shortest, 0)] * (most - len(mine))
-        mine = index[self.rank :: self.world]
-        most = -(-len(index) // self.world)  # the largest share
+        mine = index[self.slot :: self.slots]
+        most = -(-len(index) // self.slots)  # the largest share
         padded = torch.cat([mine, mine[:1].repeat(most - len(mine))])
         out = []
         for start in range(0, most, size):
@@ -132,7 +155,19 @@ class Sharded(Layout):
         return None  # FSDP reduced them in the backward pass
 
     def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
-        return reduce_across(totals, self.group, how)
+        return reduce_across(totals, self.dp, how)
+
+    def logprobs(self, model: nn.Module, batch, **options) -> tuple:
+        if self.sp.world == 1:
+            return super().logprobs(model, batch, **options)
+
+        def compute():  # copies, not views, out of an FSDP forward (its hooks hold them)
+            return tuple(
+                None if t is None else t.clone()
+                for t in shared_logprobs(model, batch, self.sp, **options)
+            )
+
+        return model.run_in_forward(compute)
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
         """Each piece whole, gathered from every rank as its turn comes (every rank takes
@@ -176,19 +211,13 @@ class Sharded(Layout):
     def rowwise(self, compute: Callable, batch, width: int) -> torch.Tensor:
         """``compute(rows)`` of this rank's rows, every rank's results gathered into the
         whole batch's [B, width] tensor on every rank."""
-        count = len(batch)
-        index = torch.arange(count)
-        [(mine, real)] = self.rows(index, max(-(-count // self.world), 1))
-        local = compute(batch.select(mine))  # [b, w <= width]
-        padded = torch.zeros(len(mine), width, dtype=local.dtype, device=local.device)
-        padded[:, : local.shape[1]] = local
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded.contiguous(), group=self.group)
-        out = torch.zeros(count, width, dtype=local.dtype, device=local.device)
-        for rank, part in enumerate(parts):
-            rows = index[rank :: self.world]
-            out[rows] = part[: len(rows)]
-        return out
+        return rowwise_by_slots(self, compute, batch, width)
+
+
+def run_in_forward(module: nn.Module, compute: Callable):
+    """``compute()``, as an FSDP forward method of ``module`` (``prepare`` registers it): its
+    root's parameters gathered around it, its outputs' backward reducing their gradients."""
+    return compute()
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

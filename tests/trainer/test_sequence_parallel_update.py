@@ -1,0 +1,115 @@
+"""The policy update under ``trainer.sequence_parallel=2``: two gloo ranks, one data-parallel
+slot, share every sequence of every micro-batch (packed forward, the model's own forward, and
+FSDP over both ranks), and end one GRPO optimizer step where one process does.
+
+Tolerance: float32 throughout. Each rank runs half of every sequence (other matmul shapes),
+attention sums in another order, and the gradient is the sum of two ranks' parts: agreement
+to float32 reassociation, ~1e-6 relative, as ``test_sequence_parallel.py``'s logprobs; the
+weights after one SGD(lr=0.1) step then differ by ~1e-7."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from honing.config import build_config
+from honing.errors import ConfigError
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.pipeline.rules import check_config
+from honing.services.process import free_port
+from honing.trainer.engine import TrainedModule, make_layout
+from honing.trainer.policy_update import update_policy
+
+from .test_policy_update import make_experience, settings_for
+
+CPU = torch.device("cpu")
+WORLD = 2
+LENGTHS = [40, 2, 3, 1, 20, 4, 2, 5, 1, 3, 2, 6]  # the micro model takes 64 positions
+CASES = (("replicate", True), ("replicate", False), ("fsdp", False))
+
+
+def _policy(model_dir: str, strategy: str, group, sequence: int = 1) -> TrainedModule:
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, tokenizer, dtype="float32", device=CPU)
+
+    def optimizer(module):
+        return torch.optim.SGD(module.parameters(), lr=0.1), None
+
+    layout = make_layout(strategy, group, sequence=sequence)
+    return TrainedModule.laid_out("policy", model, layout, optimizer, serves_generation=True)
+
+
+def _update(model_dir: str, strategy: str, packed: bool, group, sequence: int = 1) -> dict:
+    """One update of a fresh policy (micro-batches of 4 rows: 3 per step) and a pass without
+    gradient before it; the whole weights, metrics and old logprobs."""
+    policy = _policy(model_dir, strategy, group, sequence)
+    plain = _policy(model_dir, strategy, None).module  # the experience, alike everywhere
+    batch, advantages, old, ref = make_experience(plain, LENGTHS)
+    settings = dataclasses.replace(settings_for("token_mean", 4), packed=packed)
+    with torch.no_grad():
+        passed = policy.forward_rows(
+            lambda rows: policy.response_logprobs(policy.module, rows, packed=packed)[0],
+            batch,
+            batch.responses.shape[1],
+        )
+    metrics = update_policy(policy, batch, advantages, settings, old_logprobs=old, ref_logprobs=ref)
+    weights = {name: t.clone() for name, t in policy.whole_tensors()}
+    return {"weights": weights, "metrics": metrics, "old": passed, "mask": batch.response_mask}
+
+
+def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
+    """Rank ``rank`` of two: every case's update with both ranks in one slot, saved."""
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        found = {case: _update(model_dir, *case, dist.group.WORLD, WORLD) for case in CASES}
+        torch.save(found, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # gloo ranks spawned, each importing torch
+def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_dir, tmp_path):
+    model_dir = str(micro_model_dir)
+    alone = {packed: _update(model_dir, "replicate", packed, None) for packed in (True, False)}
+    out = str(tmp_path / "rank")
+    mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
+    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    for strategy, packed in CASES:
+        want = alone[packed]
+        moved = max(
+            float((want["weights"][n] - t).abs().max())
+            for n, t in _policy(model_dir, "replicate", None).module.state_dict().items()
+        )
+        assert moved > 1e-4  # the step moved the weights: their equality says something
+        for found in ranks:
+            got = found[strategy, packed]
+            real = want["mask"]  # the model's own forward leaves padding's logprobs in
+            torch.testing.assert_close(got["old"] * real, want["old"] * real, atol=1e-5, rtol=0)
+            for name, tensor in got["weights"].items():  # FSDP gives a tied head once
+                torch.testing.assert_close(tensor, want["weights"][name], atol=1e-6, rtol=1e-5)
+            for name, value in want["metrics"].items():
+                assert got["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+            # one slot: every rank ran all 3 micro-batches, the slot's mean is all tokens
+            assert got["metrics"]["perf/micro_batches"] == 3
+            assert got["metrics"]["perf/token_imbalance"] == 1.0
+
+
+def test_sequence_parallel_is_refused_where_it_cannot_run():
+    def refused(overrides: dict, world_size: int) -> str:
+        with pytest.raises(ConfigError) as caught:
+            check_config(build_config({"trainer.sequence_parallel": 2} | overrides), world_size)
+        return str(caught.value)
+
+    assert "needs torchrun ranks" in refused({}, 1)
+    assert "3 torchrun ranks do not split into groups of 2" in refused({}, 3)
+    assert "algorithm.advantage=gae" in refused({"algorithm.advantage": "gae"}, 2)
+    assert "LoRA" in refused({"model.lora_rank": 4}, 2)
+    assert "schedule.mode" in refused({"schedule.mode": "async"}, 2)
+    check_config(build_config({"trainer.sequence_parallel": 2}), 4)  # 2 slots of 2 ranks
+    with pytest.raises(ConfigError, match="sequence_parallel: 0 is out of range"):
+        build_config({"trainer.sequence_parallel": 0})
