@@ -56,6 +56,12 @@ class Rollout:
         version_spans: for a sample continued across weight updates (partial rollouts),
             ``(version, tokens)`` in order: the first ``tokens`` response tokens were made by
             weights ``version``, and so on; None when ``weight_version`` made them all.
+        tool_spans: for a multi-turn sample with tools (``rollout.tools``), ``(start,
+            tokens)`` of each tool response inside ``response_ids``: context the model read,
+            not tokens it sampled (no loss, behaviour logprob 0); None for one turn.
+        tool_calls: each tool call of a multi-turn sample: ``name``, ``latency_s``,
+            ``error``, ``timed_out``, ``truncated``; None for one turn.
+        turns: the model's turns in the response.
     """
 
     prompt_id: str
@@ -69,6 +75,16 @@ class Rollout:
     gen_seconds: float = 0.0
     routed_experts: Any = None
     version_spans: list[tuple[int, int]] | None = None
+    tool_spans: list[tuple[int, int]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    turns: int = 1
+
+    def model_mask(self) -> list[int]:
+        """1 for each response token the model sampled, 0 inside tool responses."""
+        mask = [1] * len(self.response_ids)
+        for start, count in self.tool_spans or ():
+            mask[start : start + count] = [0] * count
+        return mask
 
     def token_versions(self) -> list[int]:
         """The weight version of every response token."""

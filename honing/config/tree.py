@@ -122,6 +122,17 @@ class RolloutConfig:
     vllm_enforce_eager: bool = _opt(True)
     vllm_gpu_memory_utilization: float = _opt(0.5, gt=0.0, le=1.0)
     vllm_sleep: bool = _opt(False)
+    # Multi-turn rollouts with tools (honing/rollout/multiturn.py): python (code run in
+    # honing's sandbox), calculator, package.module:function or path/file.py:function; empty =
+    # one turn. A turn ends at the format's closing tag; its calls run (at most
+    # max_tool_calls, each under tool_timeout_s, output cut to tool_output_bytes) and their
+    # responses, which get no loss, are appended; up to max_turns turns per sample.
+    tools: list = _opt([], items=str)
+    max_turns: int = _opt(4, ge=1)
+    max_tool_calls: int = _opt(4, ge=1)
+    tool_timeout_s: float = _opt(10.0, gt=0.0)
+    tool_output_bytes: int = _opt(4096, ge=64)
+    tool_format: str = _opt("hermes", choices=("hermes",))
 
 
 @dataclass(frozen=True)

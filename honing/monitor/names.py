@@ -147,6 +147,8 @@ PATTERNS = tuple(
         r"ray/\w+_workers",
         r"val/spec_\w+",  # speculation while validating
         r"partial/\w+",  # partial rollouts (schedule.partial_rollout)
+        r"tool/\w+",  # multi-turn rollouts with tools (rollout.tools)
+        r"val/tool_\w+",  # the same while validating
     )
 )
 

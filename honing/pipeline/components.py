@@ -213,6 +213,11 @@ def build_components(config: Config, log=print, group=None) -> Components:
         reason = local.fast_decode_reason
         log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
+    val_engine = local
+    if rollout.tools:  # multi-turn: the engines' samples call the run's tools
+        from honing.rollout.multiturn import with_tools
+
+        engine, val_engine = with_tools(engine, local, tokenizer, rollout)
     trainers = Trainers(
         policy=trainer,
         critic=critic_trainer(config, model_path, tokenizer, device, layout),
@@ -226,7 +231,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
         trainers=trainers,
         reference=reference,
         engine=engine,
-        val_engine=local,
+        val_engine=val_engine,
         scorer=scorer,
         train_prompts=train,
         val_prompts=val,

@@ -66,8 +66,10 @@ def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bo
 
 
 def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each sequence's score on its last response token: [N] -> [N, R]."""
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [N]
+    """Each sequence's score on its last response token: [N] -> [N, R] (the last the model
+    sampled: a multi-turn mask has holes where tool responses are)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask.bool(), positions, 0).amax(-1)  # [N]
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(len(scores)), last] = scores
     return rewards * mask

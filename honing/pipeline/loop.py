@@ -38,6 +38,7 @@ from honing.pipeline.schedules import Ahead, Inline, start_schedule
 from honing.pipeline.state import load_training_state, save_training_state
 from honing.pipeline.step_metrics import step_metrics
 from honing.pipeline.update import UpdateInputs, apply_update
+from honing.rollout.multiturn import tool_record
 from honing.seeds import step_seed, validation_seed
 from honing.trainer.mtp import train_mtp
 from honing.types import Rollout, Score
@@ -223,11 +224,12 @@ class TrainLoop:
             on_event=lambda kind, **fields: self.logger.log_event(kind, step=step, **fields),
         )
         # What the engine saw while validating (speculation's acceptance and verdicts, which
-        # carry over to training; timeouts; torchrun ranks), under val/ names.
+        # carry over to training; timeouts; torchrun ranks; tool calls), under val/ names
+        # (rollout/x as val/x, tool/x as val/tool_x).
         report, events = parts.val_engine.take_report()
         for kind, fields in events:
             self.logger.log_event(kind, step=step, during="validation", **fields)
-        return metrics | {f"val/{name.split('/', 1)[1]}": value for name, value in report.items()}
+        return metrics | {_val_name(name): value for name, value in report.items()}
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step: a generated and scored batch (made now or ahead, by the schedule), its
@@ -352,6 +354,7 @@ class TrainLoop:
                     "reward": scores[i].reward,
                     "finish_reason": rollouts[i].finish_reason,
                     "response_length": len(rollouts[i].response_ids),
+                    **tool_record(rollouts[i], self.parts.tokenizer),
                     **{
                         k: v
                         for k, v in scores[i].details.items()
@@ -361,3 +364,9 @@ class TrainLoop:
                 for i in picked
             ],
         )
+
+
+def _val_name(name: str) -> str:
+    """An engine metric's name when it was measured while validating."""
+    family, rest = name.split("/", 1)
+    return f"val/{rest}" if family == "rollout" else f"val/{family}_{rest}"

@@ -32,6 +32,7 @@ def check_config(config: Config, world_size: int = 1) -> None:
     _sequence_parallel(config, world_size)
     _ranks(config, world_size // config.trainer.sequence_parallel)
     _vllm(config, world_size)
+    _tools(config, world_size)
     if config.schedule.partial_rollout and world_size > 1:
         raise ConfigError(
             "schedule.partial_rollout is not supported under torchrun yet: the pool "
@@ -411,3 +412,31 @@ def _vllm(config: Config, world_size: int) -> None:
             "rollout.engine=transformers, or vLLM servers started with "
             "--enable-return-routed-experts"
         )
+
+
+def _tools(config: Config, world_size: int) -> None:
+    """Multi-turn rollouts with tools (rollout/multiturn.py) wrap the engine of one process;
+    what they do not take yet is said in one line."""
+    if not config.rollout.tools:
+        return
+    for unsupported, key, why in (
+        (world_size > 1, "torchrun", "the turn loop runs one process's engine"),
+        (config.pipeline.backend == "ray", "pipeline.backend=ray", "the same"),
+        (
+            config.schedule.partial_rollout,
+            "schedule.partial_rollout",
+            "a sample is continued by turns, not by chunks",
+        ),
+        (
+            config.algorithm.routing_replay != "off",
+            f"algorithm.routing_replay={config.algorithm.routing_replay}",
+            "the experts of a multi-turn response are not recorded across its turns",
+        ),
+        (
+            config.rollout.speculative != "off",
+            f"rollout.speculative={config.rollout.speculative}",
+            "a drafted turn does not stop at a tool call",
+        ),
+    ):
+        if unsupported:
+            raise ConfigError(f"rollout.tools is not supported with {key} yet: {why}")

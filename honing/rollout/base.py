@@ -30,6 +30,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set of tokens whose probability reaches p (1.0 = off).
         seed: seeds this call's sampling, so a step's rollouts do not depend on history.
+        stop_ids: token ids that end a response besides the engine's own end-of-sequence
+            ones (a tool call's closing tag); a response ended by one counts as ``stop``.
     """
 
     n: int = 1
@@ -40,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     greedy: bool = False
     seed: int = 0
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,7 @@ class OpenAIEngine(RolloutEngine):
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
             "skip_special_tokens": False,
-            "stop_token_ids": sorted(self.stop_ids),
+            "stop_token_ids": sorted(self.stop_ids | set(params.stop_ids)),
         } | ({"return_routed_experts": True} if self.routing is not None else {})
 
     def _complete(self, request: GenerationRequest, params: SamplingParams, index: int):

@@ -158,7 +158,7 @@ def iter_calls(
         return
     with ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="honing-tools") as pool:
         futures = {
-            pool.submit(_run_one, call, tools, timeout_s, max_output_bytes): index
+            pool.submit(run_call, call, tools, timeout_s, max_output_bytes): index
             for index, call in enumerate(calls)
         }
         for future in as_completed(futures):
@@ -179,7 +179,7 @@ def run_calls(
     return results  # type: ignore[return-value]
 
 
-def _run_one(
+def run_call(
     call: ToolCall, tools: Mapping[str, Tool], timeout_s: float, max_bytes: int
 ) -> ToolResult:
     """One call under its deadline: the tool runs on a daemon thread that is waited for

@@ -220,7 +220,7 @@ class TransformersEngine(RolloutEngine):
             spec.tokens,
             _distribution(params),
             generator,
-            torch.tensor(sorted(self.stop_ids), device=self.device),
+            torch.tensor(sorted(self._stops(params)), device=self.device),
             self.tokenizer.pad_token_id,
             [list(r.prompt_ids) for r in chunk],
             min_accept=spec.min_accept,
@@ -236,7 +236,12 @@ class TransformersEngine(RolloutEngine):
             budget.tolist(),
             seconds,
             chunk_stats.cut.tolist() if chunk_stats.cut is not None else None,
+            stops=self._stops(params),
         )
+
+    def _stops(self, params: SamplingParams) -> set[int]:
+        """The token ids that end a response of this call."""
+        return self.stop_ids | set(params.stop_ids)
 
     def _deadline(self, started: float) -> float:
         return started + self.gen_timeout_s if self.gen_timeout_s else float("inf")
@@ -287,7 +292,7 @@ class TransformersEngine(RolloutEngine):
     ) -> list[Rollout]:
         started = time.perf_counter()
         pad = self.tokenizer.pad_token_id
-        stop = torch.tensor(sorted(self.stop_ids), device=self.device)
+        stop = torch.tensor(sorted(self._stops(params)), device=self.device)
         reuse = self._reusable(chunk, kept)
         held = [len(entry.ids) if entry else 0 for entry in reuse]
         ids, mask, positions, budget = self._prepare(chunk, params, held)
@@ -330,6 +335,7 @@ class TransformersEngine(RolloutEngine):
             budget.tolist(),
             seconds,
             cut,
+            stops=self._stops(params),
         )
         if routers and not any(held):  # a resumed prompt's experts are in earlier calls
             _attach_experts(rollouts, session, getattr(decoder, "prefill_rows", None), ids.shape)
@@ -352,17 +358,18 @@ class TransformersEngine(RolloutEngine):
         return token, probs.gather(-1, token[:, None]).squeeze(-1).log()
 
     def _to_rollouts(
-        self, chunk, token_rows, logprob_rows, budgets, seconds, cut=None
+        self, chunk, token_rows, logprob_rows, budgets, seconds, cut=None, *, stops
     ) -> list[Rollout]:
         """Rollouts of the sampled rows; ``cut`` gives, for a row the generation timeout
-        stopped, the tokens it had made (finish reason ``abort``), 0 for the others."""
+        stopped, the tokens it had made (finish reason ``abort``), 0 for the others;
+        ``stops``: the token ids that ended a row."""
         rollouts = []
         cut = cut or [0] * len(chunk)
         for request, row, logps, budget, was_cut in zip(
             chunk, token_rows, logprob_rows, budgets, cut, strict=True
         ):
             row = row[:budget]  # later columns are padding from rows still generating
-            end = next((i + 1 for i, tok in enumerate(row) if tok in self.stop_ids), None)
+            end = next((i + 1 for i, tok in enumerate(row) if tok in stops), None)
             if end is not None:
                 reason = "stop"
             elif was_cut:

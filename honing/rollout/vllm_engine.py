@@ -242,7 +242,8 @@ class VLLMEngine(RolloutEngine):
             budget = min(params.max_new_tokens, limit - len(r.prompt_ids))
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
             seed = request_seed(params.seed, index, n)
-            sampling.append(_vllm_sampling(params, budget, seed, self.stop_ids, n))
+            stops = self.stop_ids | set(params.stop_ids)
+            sampling.append(_vllm_sampling(params, budget, seed, stops, n))
         started = time.perf_counter()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -282,7 +283,7 @@ class VLLMEngine(RolloutEngine):
         return ({"partial/kv_kept_tokens": float(kept)} if kept else {}), []
 
     def _live_sampling(self, params: SamplingParams, max_tokens: int, seed: int):
-        return _vllm_sampling(params, max_tokens, seed, self.stop_ids, 1)
+        return _vllm_sampling(params, max_tokens, seed, self.stop_ids | set(params.stop_ids), 1)
 
     def _rollout(self, request: GenerationRequest, completion, seconds: float) -> Rollout:
         ids = list(completion.token_ids)

@@ -68,7 +68,16 @@ def sampling_from_request(body: dict[str, Any], limits: CompletionLimits) -> Sam
         top_p=float(field(body, "top_p", 1.0, _TOP_P)),
         greedy=greedy,
         seed=field(body, "seed", 0, _SEED, integer=True),
+        stop_ids=_stop_ids(body),
     )
+
+
+def _stop_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    """``stop_token_ids``: token ids that end a response besides the model's own."""
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise Refused(f"stop_token_ids: expected a list of token ids, got {str(ids)[:60]!r}")
+    return tuple(ids)
 
 
 def prompts_from_request(

@@ -35,7 +35,10 @@ class TrainBatch:
         attention_mask: [B, P + R] 1 on real tokens.
         position_ids: [B, P + R] positions counted from each row's first real token.
         responses: [B, R] response token ids.
-        response_mask: [B, R] 1 on real response tokens (including the final EOS).
+        response_mask: [B, R] 1 on the response tokens the policy sampled (including the
+            final EOS), the tokens every loss, estimator and KL term counts; 0 on padding and
+            on tool responses inside a multi-turn response (``Rollout.tool_spans``), which
+            the model reads but did not sample. ``response_real`` marks every real token.
         behaviour_logprobs: [B, R] the engine's sampling logprobs.
         prompt_width: P.
         rollout_routing: [B, P + R, L, k] for a mixture-of-experts policy, the experts the
@@ -58,13 +61,19 @@ class TrainBatch:
     # old-logprob and update passes of one batch share one.
     layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def response_real(self) -> torch.Tensor:
+        """[B, R] 1 on every real response token, tool responses included (the sequence's
+        structure: its length, what the forward runs)."""
+        return self.attention_mask[:, self.prompt_width :]
+
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, index: torch.Tensor) -> TrainBatch:
         """Rows ``index``, trimmed to the longest response among them (less padding to run).
         All rows in order is the batch itself."""
-        width = max(int(self.response_mask[index].sum(-1).max()), 1)
+        width = max(int(self.response_real[index].sum(-1).max()), 1)
         in_order = len(index) == len(self) and bool((index.cpu() == torch.arange(len(self))).all())
         if in_order and width == self.responses.shape[1]:
             return self
@@ -99,12 +108,13 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
     """Pack rollouts into a ``TrainBatch`` on ``device``."""
     width_p = max(len(r.prompt_ids) for r in rollouts)
     width_r = max(max(len(r.response_ids) for r in rollouts), 1)
-    rows, real, behaviour = [], [], []
+    rows, real, sampled, behaviour = [], [], [], []
     for r in rollouts:  # Python lists, then one tensor each: no per-row tensor ops
         p, n = len(r.prompt_ids), len(r.response_ids)
         rows.append([pad_id] * (width_p - p) + list(r.prompt_ids) + list(r.response_ids))
         rows[-1] += [pad_id] * (width_r - n)
         real.append([0] * (width_p - p) + [1] * (p + n) + [0] * (width_r - n))
+        sampled.append(r.model_mask() + [0] * (width_r - n))
         behaviour.append(list(r.behaviour_logprobs) + [0.0] * (width_r - n))
     input_ids = torch.tensor(rows, dtype=torch.long)
     attention = torch.tensor(real, dtype=torch.long)
@@ -116,7 +126,7 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device) -> Train
         attention_mask=attention.to(device),
         position_ids=positions.to(device),
         responses=input_ids[:, width_p:].to(device),
-        response_mask=attention[:, width_p:].float().to(device),
+        response_mask=torch.tensor(sampled, dtype=torch.float32).to(device),
         behaviour_logprobs=behaviour.to(device),
         prompt_width=width_p,
         rollout_routing=None if routing is None else routing.to(device),

@@ -214,7 +214,7 @@ class _Stream:
         width = batch.prompt_width
         rows = batch.input_ids.tolist()
         prompt_mask = batch.attention_mask[:, :width].tolist()
-        lengths = batch.response_mask.sum(-1).long().tolist()
+        lengths = batch.response_real.sum(-1).long().tolist()
         stream, prompts, first = cls(), {}, {}
         for number, (row, real) in enumerate(zip(rows, prompt_mask, strict=True)):
             tokens = tuple(t for t, keep in zip(row[:width], real, strict=True) if keep)
@@ -274,7 +274,7 @@ def packed_response_logprobs(
     model = unwrap(model)
     x = packed_hidden(model, layout.ids, layout.positions, layout)
     hidden = rms_norm(x.index_select(0, layout.predictors), norm_of(model.model.norm))  # [T, E]
-    real = batch.response_mask.bool()
+    real = batch.response_real.bool()  # every response token: tool responses are masked later
     logprobs, entropy = head_logprobs(
         hidden,
         model.lm_head.weight,

@@ -258,6 +258,7 @@ def test_values_a_sampler_cannot_take_are_400_naming_the_field(serve, engine):
         ({"n": 2.5}, "n: expected a whole number, got 2.5"),
         ({"n": True}, "n: expected a number, got 'True'"),
         ({"max_tokens": 0}, "max_tokens: expected 1..4096, got 0"),
+        ({"stop_token_ids": [5, "x"]}, "stop_token_ids: expected a list of token ids"),
     ):
         answer = _complete(url, **fields)
         assert answer.status_code == 400 and _message(answer).startswith(problem), fields
@@ -265,3 +266,15 @@ def test_values_a_sampler_cannot_take_are_400_naming_the_field(serve, engine):
     assert fine.status_code == 200
     greedy = _complete(url, prompt=[5, 98], temperature=0)
     assert fine.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]
+
+
+def test_a_request_s_stop_token_ids_end_its_responses(serve, engine):
+    """``stop_token_ids`` (how the turn loop ends a turn at a tool call's closing tag): each
+    greedy response ends at the first of them it samples, as ``stop``."""
+    url = serve(rollout_app(engine, model_name="m"))
+    free = _complete(url, prompt=[5, 98], temperature=0, max_tokens=8).json()["choices"][0]
+    ids = free["token_ids"]
+    cut = _complete(url, prompt=[5, 98], temperature=0, max_tokens=8, stop_token_ids=[ids[1]])
+    choice = cut.json()["choices"][0]
+    assert choice["token_ids"] == ids[: ids.index(ids[1]) + 1]
+    assert choice["finish_reason"] == "stop"

@@ -1,0 +1,280 @@
+"""Multi-turn rollouts with tools (``rollout.tools``): the policy calls tools mid-answer,
+reads their output, and goes on.
+
+``ToolEngine`` wraps any rollout engine. Each sample is generated turn by turn: a turn ends
+at the tool-call format's closing tag (a stop token of the call), the turn's calls are parsed
+(``tool_calls.parse_tool_calls``) and run on a thread pool, and their responses, rendered as
+the chat template renders tool messages (``tool_calls.ToolResponses``), are appended as
+tokens; the next turn continues from the prompt and every token so far. Token in, token out:
+the sequence trained is exactly the tokens the engine was given and returned, plus the tool
+responses' tokens; nothing is decoded and encoded again.
+
+A slow tool does not hold the other samples: while a sample's calls run, the samples whose
+calls have returned go on to their next turn in the next engine call; the loop waits for a
+call only when no sample can go on without it.
+
+A sample ends at a turn without a call (its answer), at ``max_turns`` (``length``: the last
+turn's calls are not run), or at its token budget (``length``; a tool response that does not
+fit is not appended, so a response always ends with tokens the model sampled). The tool
+responses are recorded as ``Rollout.tool_spans`` (no loss, behaviour logprob 0) and each call
+in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+from honing.errors import ConfigError
+from honing.rollout.base import (
+    EngineReport,
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightBuckets,
+)
+from honing.rollout.tool_calls import (
+    ToolResponses,
+    ToolResult,
+    parse_tool_calls,
+    run_call,
+    tool_call_format,
+)
+from honing.rollout.tools import Tool, ToolSettings, build_tools
+from honing.seeds import round_seed
+from honing.types import Rollout
+
+TOOL_WORKERS = 8  # tool calls running at once
+TOOL_KEYS = ("max_turns", "max_tool_calls", "tool_timeout_s", "tool_output_bytes", "tool_format")
+
+
+@dataclass
+class _Sample:
+    """One sample's turns so far."""
+
+    request: GenerationRequest
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    turns: int = 0
+    finish: str | None = None
+    waiting: list[Future] = field(default_factory=list)  # its turn's calls, running
+    turn_text: str = ""
+
+
+class ToolEngine(RolloutEngine):
+    """``inner`` generating multi-turn samples with ``tools`` (see the module).
+
+    Raises (when built):
+        ConfigError: the format's closing tag is not one token of ``tokenizer`` (a turn
+            must end at a token), or the chat template cannot render tool responses.
+    """
+
+    def __init__(
+        self, inner: RolloutEngine, tokenizer, settings: ToolSettings, tools: dict[str, Tool]
+    ):
+        super().__init__(inner.holds)
+        self.inner, self.tokenizer = inner, tokenizer
+        self.settings, self.tools = settings, tools
+        self.format = tool_call_format(settings.tool_format)
+        close = tokenizer.encode(self.format.close, add_special_tokens=False)
+        if len(close) != 1:
+            raise ConfigError(
+                f"rollout.tool_format={settings.tool_format}: {self.format.close!r} is "
+                f"{len(close)} tokens of this tokenizer; a turn ends at one token (add it as "
+                "a special token, as chat models with tools have it)"
+            )
+        self.close_id = close[0]
+        self.responses = ToolResponses(tokenizer)
+        self.keeps_kv = False
+        self._report: dict[str, float] = {}
+
+    @property
+    def weight_version(self) -> int:  # the inner engine's
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.inner.weight_version = version
+
+    def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
+        self.inner.load_weights(version, weights)
+
+    def detached_copy(self) -> ToolEngine:
+        return ToolEngine(self.inner.detached_copy(), self.tokenizer, self.settings, self.tools)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take_report(self) -> EngineReport:
+        """The inner engine's report and the tool metrics of the samples since the last take:
+        calls, errors and timeouts (counts), calls and turns per sample, mean call latency."""
+        metrics, events = self.inner.take_report()
+        sums, self._report = self._report, {}
+        if sums:
+            samples, calls = max(sums["samples"], 1.0), max(sums["calls"], 1.0)
+            metrics = metrics | {
+                "tool/calls": sums["calls"],
+                "tool/errors": sums["errors"],
+                "tool/timeouts": sums["timeouts"],
+                "tool/calls_per_sample": sums["calls"] / samples,
+                "tool/turns_per_sample": sums["turns"] / samples,
+                "tool/latency_s": sums["latency_s"] / calls,
+            }
+        return metrics, events
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        samples = [_Sample(r) for r in requests for _ in range(params.n)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="honing-tools") as pool:
+            calls = 0
+            while any(s.finish is None for s in samples):
+                for sample in samples:
+                    if sample.waiting and all(f.done() for f in sample.waiting):
+                        self._answer(sample, params)
+                ready = [s for s in samples if s.finish is None and not s.waiting]
+                if not ready:  # every unfinished sample waits on a call: wait for one
+                    running = [f for s in samples for f in s.waiting]
+                    wait(running, return_when=FIRST_COMPLETED)
+                    continue
+                self._turn(ready, replace(params, seed=round_seed(params.seed, calls)), pool)
+                calls += 1
+        seconds = time.perf_counter() - started
+        self._count(samples)
+        return [self._rollout(s, seconds) for s in samples]
+
+    def _turn(self, ready: list[_Sample], params: SamplingParams, pool) -> None:
+        """One engine call: a turn of each of ``ready``; their calls are started on ``pool``."""
+        rooms = [self._room(s, params) for s in ready]
+        requests = [
+            GenerationRequest(s.request.prompt_id, s.request.prompt_ids + s.ids, i)
+            for i, s in enumerate(ready)
+        ]
+        turn = replace(
+            params, n=1, max_new_tokens=max(rooms), stop_ids=(*params.stop_ids, self.close_id)
+        )
+        outs = self.inner.generate(requests, turn)
+        for sample, room, out in zip(ready, rooms, outs, strict=True):
+            taken = out.response_ids[:room]
+            sample.ids += taken
+            sample.logprobs += out.behaviour_logprobs[: len(taken)]
+            sample.turns += 1
+            if len(taken) < len(out.response_ids):  # past its own budget
+                sample.finish = "length"
+            elif taken[-1:] != [self.close_id]:  # its answer, or a limit
+                sample.finish = out.finish_reason
+            elif sample.turns >= self.settings.max_turns:
+                sample.finish = "length"  # its last turn: no call runs
+            else:
+                self._start_calls(sample, taken, pool)
+
+    def _room(self, sample: _Sample, params: SamplingParams) -> int:
+        prompt = len(sample.request.prompt_ids)
+        return min(params.max_new_tokens, params.max_seq_len - prompt) - len(sample.ids)
+
+    def _start_calls(self, sample: _Sample, turn_ids: list[int], pool) -> None:
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        found = parse_tool_calls(text, self.tools, self.format, self.settings.max_tool_calls)
+        if not found:  # a closing tag without a call: the turn is the answer
+            sample.finish = "stop"
+            return
+        s = self.settings
+        sample.turn_text = text
+        sample.waiting = [
+            pool.submit(run_call, call, self.tools, s.tool_timeout_s, s.tool_output_bytes)
+            for call in found
+        ]
+
+    def _answer(self, sample: _Sample, params: SamplingParams) -> None:
+        """Appends the responses of ``sample``'s finished calls (or ends it if they do not
+        fit in its budget)."""
+        results: list[ToolResult] = [f.result() for f in sample.waiting]
+        sample.waiting = []
+        sample.calls += [
+            {
+                "name": r.name,
+                "latency_s": r.latency_s,
+                "error": r.error,
+                "timed_out": r.timed_out,
+                "truncated": r.truncated,
+            }
+            for r in results
+        ]
+        ids = self.responses.ids(sample.turn_text, results)
+        if len(ids) >= self._room(sample, params):  # no room for it and a turn after it
+            sample.finish = "length"
+            return
+        sample.spans.append((len(sample.ids), len(ids)))
+        sample.ids += ids
+        sample.logprobs += [0.0] * len(ids)
+
+    def _rollout(self, sample: _Sample, seconds: float) -> Rollout:
+        return Rollout(
+            prompt_id=sample.request.prompt_id,
+            group_index=sample.request.group_index,
+            prompt_ids=list(sample.request.prompt_ids),
+            response_ids=sample.ids,
+            behaviour_logprobs=sample.logprobs,
+            finish_reason=sample.finish or "length",
+            weight_version=self.inner.weight_version,
+            text=self.tokenizer.decode(sample.ids, skip_special_tokens=True),
+            gen_seconds=seconds,
+            tool_spans=list(sample.spans),
+            tool_calls=sample.calls,
+            turns=sample.turns,
+        )
+
+    def _count(self, samples: list[_Sample]) -> None:
+        calls = [c for s in samples for c in s.calls]
+        add = {
+            "calls": float(len(calls)),
+            "errors": float(sum(c["error"] for c in calls)),
+            "timeouts": float(sum(c["timed_out"] for c in calls)),
+            "latency_s": sum(c["latency_s"] for c in calls),
+            "turns": float(sum(s.turns for s in samples)),
+            "samples": float(len(samples)),
+        }
+        for key, value in add.items():
+            self._report[key] = self._report.get(key, 0.0) + value
+
+
+TOOL_OPEN, TOOL_CLOSE = "[tool output]", "[/tool output]"
+
+
+def tool_record(rollout: Rollout, tokenizer) -> dict:
+    """What ``samples.jsonl`` and the report show of a multi-turn sample: its turns and calls,
+    and the response with each tool response between ``TOOL_OPEN`` and ``TOOL_CLOSE`` (the
+    model's turns and the tool's output told apart); nothing for a one-turn sample."""
+    if rollout.tool_calls is None:
+        return {}
+    ids, parts, at = rollout.response_ids, [], 0
+    for start, count in rollout.tool_spans or ():
+        parts.append(tokenizer.decode(ids[at:start], skip_special_tokens=False))
+        output = tokenizer.decode(ids[start : start + count], skip_special_tokens=False)
+        parts.append(f"{TOOL_OPEN}{output}{TOOL_CLOSE}")
+        at = start + count
+    parts.append(tokenizer.decode(ids[at:], skip_special_tokens=False))
+    calls = rollout.tool_calls
+    return {
+        "response": "".join(parts),
+        "turns": rollout.turns,
+        "tool_calls": len(calls),
+        "tool_errors": sum(c["error"] for c in calls),
+        "tool_latency_s": round(sum(c["latency_s"] for c in calls), 4),
+    }
+
+
+def with_tools(engine: RolloutEngine, local: RolloutEngine, tokenizer, rollout) -> tuple:
+    """``engine`` and the validation engine ``local`` generating multi-turn samples with the
+    tools ``rollout`` (the ``rollout`` config) names; ``local`` once when it is ``engine``."""
+    settings = ToolSettings(
+        tools=tuple(rollout.tools),
+        **{key: getattr(rollout, key) for key in TOOL_KEYS},
+    )
+    tools = build_tools(settings.tools)
+    wrapped = ToolEngine(engine, tokenizer, settings, tools)
+    if engine is local:
+        return wrapped, wrapped
+    return wrapped, ToolEngine(local, tokenizer, settings, tools)

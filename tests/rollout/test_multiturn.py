@@ -1,0 +1,239 @@
+"""Multi-turn rollouts with tools (rollout/multiturn.py): the turn loop over a scripted engine
+(what the model says is fixed, so the sequences can be written out by hand), the masks and
+logprobs the trainer gets, token exactness, and a slow tool that does not hold the others.
+
+The tokenizer is the built-in one (one token per character) with the Hermes tags added as
+special tokens, as chat models with tools have them."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from honing.errors import ConfigError
+from honing.models.loading import load_tokenizer
+from honing.rollout.base import GenerationRequest, Holding, RolloutEngine, SamplingParams
+from honing.rollout.multiturn import ToolEngine
+from honing.rollout.tool_calls import FALLBACK_RESPONSE
+from honing.rollout.tools import ToolSettings, build_tools
+from honing.trainer.batch import collate
+from honing.types import Rollout
+
+LOGPROB = -0.5  # every scripted token's behaviour logprob
+
+
+@pytest.fixture(scope="module")
+def tokenizer(micro_model_dir):
+    tok = load_tokenizer(micro_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    return tok
+
+
+class Scripted(RolloutEngine):
+    """Says ``script[prompt_id][k]`` (token ids) on the k-th request of that prompt, cut at a
+    stop id as an engine cuts it; records each request's ids and when it came."""
+
+    def __init__(self, script: dict[str, list[list[int]]], stop: int):
+        super().__init__(Holding.COPY)
+        self.script, self.stop = script, stop
+        self.seen: dict[str, list[list[int]]] = {p: [] for p in script}
+        self.calls: list[tuple[float, list[str]]] = []
+
+    def generate(self, requests, params):
+        self.calls.append((time.monotonic(), [r.prompt_id for r in requests]))
+        out = []
+        for r in requests:
+            turn = self.script[r.prompt_id][len(self.seen[r.prompt_id])]
+            self.seen[r.prompt_id].append(list(r.prompt_ids))
+            stops = {self.stop, *params.stop_ids}
+            end = next((i + 1 for i, t in enumerate(turn) if t in stops), len(turn))
+            ids = turn[: min(end, params.max_new_tokens)]
+            reason = "stop" if ids and ids[-1] in stops else "length"
+            out.append(
+                Rollout(
+                    r.prompt_id,
+                    r.group_index,
+                    list(r.prompt_ids),
+                    ids,
+                    [LOGPROB] * len(ids),
+                    reason,
+                    self.weight_version,
+                    "",
+                )
+            )
+        return out
+
+    def load_weights(self, version, weights=None):
+        self.weight_version = version
+
+    def detached_copy(self):
+        return self
+
+
+def call(tokenizer, expression: str, spelled: bool = False) -> list[int]:
+    """A turn that calls the calculator: the open tag (as one special token, or ``spelled``
+    out a character at a time), the JSON, the closing tag."""
+    body = '{"name": "calculator", "arguments": {"expression": "' + expression + '"}}'
+    opener = tokenizer.encode("<tool_call>", add_special_tokens=False)
+    if spelled:
+        opener = [tokenizer.convert_tokens_to_ids(c) for c in "<tool_call>"]
+    close = tokenizer.convert_tokens_to_ids("</tool_call>")
+    return opener + tokenizer.encode(body, add_special_tokens=False) + [close]
+
+
+def words(tokenizer, text: str, end: bool = True) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) + (
+        [tokenizer.eos_token_id] if end else []
+    )
+
+
+def tool_engine(
+    tokenizer, script, tools=("calculator",), **settings
+) -> tuple[ToolEngine, Scripted]:
+    inner = Scripted(script, tokenizer.eos_token_id)
+    s = ToolSettings(tools=tuple(tools), **settings)
+    return ToolEngine(inner, tokenizer, s, build_tools(s.tools)), inner
+
+
+PARAMS = SamplingParams(n=1, max_new_tokens=200, max_seq_len=400)
+
+
+def test_a_two_turn_sample_s_tokens_mask_and_logprobs(tokenizer):
+    """Turn 1 calls the calculator, turn 2 answers: the response is turn 1, the tool's
+    response, turn 2; the tool's tokens are masked out of the loss with logprob 0, the
+    model's carry the logprobs they were sampled with; the second call's prompt is the first's
+    and every token since, exactly."""
+    prompt = words(tokenizer, "12345678+87654321=", end=False)
+    first, answer = call(tokenizer, "12345678+87654321"), words(tokenizer, "99999999")
+    engine, inner = tool_engine(tokenizer, {"p": [first, answer]})
+    [rollout] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
+    tool = tokenizer.encode(
+        "\n" + FALLBACK_RESPONSE.format(output="99999999"), add_special_tokens=False
+    )
+    assert rollout.response_ids == first + tool + answer
+    assert rollout.tool_spans == [(len(first), len(tool))]
+    assert rollout.behaviour_logprobs == [LOGPROB] * len(first) + [0.0] * len(tool) + [
+        LOGPROB
+    ] * len(answer)
+    assert rollout.finish_reason == "stop" and rollout.turns == 2
+    assert [c["name"] for c in rollout.tool_calls] == ["calculator"]
+    assert not rollout.tool_calls[0]["error"]
+    assert inner.seen["p"] == [prompt, prompt + first + tool]  # token in, token out
+    batch = collate([rollout], tokenizer.pad_token_id, torch.device("cpu"))
+    expected = [1.0] * len(first) + [0.0] * len(tool) + [1.0] * len(answer)
+    assert batch.response_mask[0].tolist() == expected
+    assert batch.response_real[0].tolist() == [1] * len(rollout.response_ids)
+    assert batch.responses[0].tolist() == rollout.response_ids
+
+
+def test_the_trained_sequence_is_the_tokens_the_engine_saw_not_its_text_again(tokenizer):
+    """The model spells the open tag a character at a time: its text reads as a call, and
+    encoding that text again would give the one special token instead. The response keeps
+    the characters the model sampled, and the next turn's prompt is built on them."""
+    prompt = words(tokenizer, "2+2=", end=False)
+    spelled = call(tokenizer, "2+2", spelled=True)
+    engine, inner = tool_engine(tokenizer, {"p": [spelled, words(tokenizer, "4")]})
+    [rollout] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
+    start, count = rollout.tool_spans[0]
+    assert rollout.response_ids[:start] == spelled
+    text = tokenizer.decode(spelled, skip_special_tokens=False)
+    assert tokenizer.encode(text, add_special_tokens=False) != spelled  # text would drift
+    assert inner.seen["p"][1] == prompt + rollout.response_ids[: start + count]
+
+
+def test_a_slow_tool_does_not_hold_the_other_samples(tokenizer, tmp_path):
+    """One sample's call sleeps 2 s; three others call a fast tool: their answers are
+    generated (a second engine call) before the slow call returns, and the slow sample
+    finishes after it."""
+    tool_file = tmp_path / "clock.py"
+    tool_file.write_text(
+        "import time\n\ndef clock(seconds: float) -> str:\n"
+        '    """Waits ``seconds``.\n\n    Args:\n        seconds: how long.\n    """\n'
+        "    time.sleep(seconds)\n    return 'done'\n"
+    )
+
+    def waits(seconds):
+        body = '{"name": "clock", "arguments": {"seconds": ' + str(seconds) + "}}"
+        open_, close = (tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+        return [open_, *tokenizer.encode(body, add_special_tokens=False), close]
+
+    script = {f"p{i}": [waits(2.0 if i == 0 else 0.0), words(tokenizer, "ok")] for i in range(4)}
+    engine, inner = tool_engine(
+        tokenizer, script, tools=(f"{tool_file}:clock",), tool_timeout_s=5.0
+    )
+    requests = [
+        GenerationRequest(p, words(tokenizer, "go", end=False), i) for i, p in enumerate(script)
+    ]
+    started = time.monotonic()
+    rollouts = engine.generate(requests, PARAMS)
+    assert all(r.finish_reason == "stop" and r.turns == 2 for r in rollouts)
+    second = [(t - started, ids) for t, ids in inner.calls[1:]]
+    fast = next(t for t, ids in second if "p1" in ids)
+    slow = next(t for t, ids in second if "p0" in ids)
+    assert fast < 1.0 <= 2.0 <= slow  # the fast ones went on while the slow call ran
+    assert "p0" not in next(ids for _, ids in second if "p1" in ids)
+
+
+def test_limits_end_a_sample_on_a_token_the_model_sampled(tokenizer):
+    """At max_turns the last turn's call is not run; a tool response that does not fit the
+    token budget is not appended; an unknown tool is an error the model reads."""
+    prompt = words(tokenizer, "1+1=", end=False)
+    again = call(tokenizer, "1+1")
+    engine, _ = tool_engine(tokenizer, {"p": [again, again, again]}, max_turns=2)
+    [capped] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
+    assert capped.turns == 2 and capped.finish_reason == "length" and len(capped.tool_calls) == 1
+    assert capped.response_ids[-1] == tokenizer.convert_tokens_to_ids("</tool_call>")
+    engine, _ = tool_engine(tokenizer, {"p": [again, again]})
+    tight = SamplingParams(n=1, max_new_tokens=len(again) + 5, max_seq_len=400)
+    [cut] = engine.generate([GenerationRequest("p", prompt, 0)], tight)
+    assert cut.response_ids == again and cut.tool_spans == [] and cut.finish_reason == "length"
+    unknown = call(tokenizer, "1").copy()
+    text = tokenizer.decode(unknown, skip_special_tokens=False).replace("calculator", "abacus")
+    bad = tokenizer.encode(text, add_special_tokens=False)
+    engine, _ = tool_engine(tokenizer, {"p": [bad, words(tokenizer, "2")]})
+    [erred] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
+    assert erred.tool_calls[0]["error"] and erred.finish_reason == "stop"
+    metrics, _ = engine.take_report()
+    assert metrics["tool/errors"] == 1 and metrics["tool/calls_per_sample"] == 1
+
+
+def test_a_closing_tag_that_is_not_one_token_is_refused(micro_model_dir):
+    plain = load_tokenizer(micro_model_dir)  # no tags added: </tool_call> is 12 characters
+    with pytest.raises(ConfigError, match="a turn ends at one token"):
+        ToolEngine(Scripted({}, plain.eos_token_id), plain, ToolSettings(), {})
+
+
+def test_n_samples_of_a_prompt_go_their_own_ways(tokenizer):
+    """n=2: each sample is its own sequence of turns (the scripted engine answers the
+    prompt's requests in order: the first sample calls, the second answers at once)."""
+    prompt = words(tokenizer, "3+4=", end=False)
+    engine, _ = tool_engine(
+        tokenizer, {"p": [call(tokenizer, "3+4"), words(tokenizer, "7"), words(tokenizer, "7")]}
+    )
+    rollouts = engine.generate(
+        [GenerationRequest("p", prompt, 0)],
+        SamplingParams(n=2, max_new_tokens=200, max_seq_len=400),
+    )
+    assert sorted(r.turns for r in rollouts) == [1, 2]
+    assert all(r.group_index == 0 for r in rollouts)
+
+
+def test_concurrent_samples_of_one_call_are_independent(tokenizer):
+    """A thread-safety smoke: two generate calls on two engines at once."""
+    results = []
+
+    def run(name):
+        engine, _ = tool_engine(tokenizer, {name: [call(tokenizer, "6*7"), words(tokenizer, "42")]})
+        results.append(
+            engine.generate(
+                [GenerationRequest(name, words(tokenizer, "6*7=", end=False), 0)], PARAMS
+            )
+        )
+
+    threads = [threading.Thread(target=run, args=(f"q{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and all(r[0].turns == 2 for r in results)
