@@ -98,6 +98,7 @@ KNOWN = frozenset(
         "dist/strategy",
         "memory/model_state_mb",
         "memory/offloaded_gb",
+        "memory/activation_peak_mb",
         "async/weight_version",
         "async/staleness",
         "async/queue_depth",

@@ -4,9 +4,11 @@
 autograd saves while the block runs, each distinct storage once (views of one storage, and a
 tensor saved by several operations, count once) and whole (a view keeps all of its storage
 alive). Parameters, and any other tensors named in ``exclude``, are not activations and are
-left out. It counts what autograd holds, not the allocator's peak: temporaries freed during
-the forward, and tensors kept outside autograd (an optimizer's state), are not in it. Inside
-``torch.utils.checkpoint`` regions only the checkpoint's inputs are saved, and so counted.
+left out (a sharded parameter's shard; the whole weights FSDP gathers for a pass and autograd
+keeps are counted). It counts what autograd holds, not the allocator's peak: temporaries
+freed during the forward, and tensors kept outside autograd (an optimizer's state), are not
+in it. Inside ``torch.utils.checkpoint`` regions only the checkpoint's inputs are saved, and
+so counted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class SavedBytes:
 def saved_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBytes]:
     """Count the bytes autograd saves for backward inside the block (``with saved_bytes(
     model.parameters()) as saved: loss = ...``; then ``saved.bytes``)."""
+    from torch.distributed.tensor import DTensor
+
     counter = SavedBytes()
-    counter._seen.update(t.untyped_storage().data_ptr() for t in exclude)
+    for tensor in exclude:  # a sharded parameter: its local shard
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        counter._seen.add(local.untyped_storage().data_ptr())
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
         yield counter

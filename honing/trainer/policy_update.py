@@ -21,6 +21,7 @@ from honing.models.moe import routers_of
 from honing.models.moe_stats import RouterStats, host_sums, moe_metrics, router_z_loss
 from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
 from honing.trainer.engine import TrainerEngine
+from honing.trainer.memory import saved_bytes
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def policy_loss_options(settings: UpdateSettings) -> dict:
     return options
 
 
-def micro_step(
+def micro_loss(
     model,
     micro: TrainBatch,
     advantages,
@@ -92,7 +93,7 @@ def micro_step(
     tap: RouterTap | None = None,
     logprobs_of=response_logprobs,
 ) -> dict[str, torch.Tensor]:
-    """Forward + backward of one micro-batch; returns its (detached) metric contributions.
+    """The forward of one micro-batch: its loss, and its (detached) metric contributions.
     ``tap``: an MoE policy's routers (statistics, logits for the router losses);
     ``logprobs_of``: the logprob pass (the trainer engine's, as its layout runs it)."""
     # Normalisers of the whole mini-batch (and the whole batch's response width), so that
@@ -131,8 +132,7 @@ def micro_step(
         )
     if tap is not None and tap.logits:
         loss = loss + share * _router_losses(model, tap.logits, settings, out, share)
-    loss.backward()
-    return out
+    return loss, out
 
 
 def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, out, share):
@@ -158,22 +158,31 @@ def row_tokens(batch: TrainBatch) -> torch.Tensor:
 
 
 def split_metrics(
-    trainer: TrainerEngine, own: list[int], micros: list[int], whole: list[int], device
+    trainer: TrainerEngine,
+    own: list[int],
+    micros: list[int],
+    whole: list[int],
+    activations: int,
+    device,
 ) -> dict[str, float]:
     """How the mini-batches were split, from each optimizer step's tokens this rank ran
     (``own``), its micro-batches (``micros``) and the mini-batch's tokens (``whole``):
     ``perf/token_imbalance``, the most tokens a rank ran over the ranks' mean (1.0 in one
     process), and ``perf/micro_batches``, the most micro-batches a rank ran; each per
-    optimizer step, averaged over the update's steps."""
+    optimizer step, averaged over the update's steps. ``memory/activation_peak_mb``: the
+    most bytes any rank's micro-batch forward kept for its backward (``activations``, this
+    rank's), in the same maximum."""
 
     def numbers(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64, device=device)
 
-    most = trainer.reduce({"tokens": numbers(own), "micros": numbers(micros)}, how="max")
+    most = {"tokens": numbers(own), "micros": numbers(micros), "saved": numbers([activations])}
+    most = trainer.reduce(most, how="max")
     mean = numbers(whole) / trainer.data_parallel_size
     return {
         "perf/token_imbalance": float((most["tokens"] / mean).mean()),
         "perf/micro_batches": float(most["micros"].mean()),
+        "memory/activation_peak_mb": float(most["saved"]) / 2**20,
     }
 
 
@@ -218,6 +227,7 @@ def update_policy(
     router_losses = settings.router_aux_coef > 0 or settings.router_z_coef > 0
     tokens = row_tokens(batch)  # [B]
     own, micros, whole = [], [], []
+    weights, activations = list(model.parameters()), 0  # weights are not activations
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
         scale_len = settings.loss_scale_len or batch.responses.shape[1]
@@ -236,17 +246,20 @@ def update_policy(
             if routers is not None:  # statistics before the step's first optimizer step
                 tap = RouterTap(stats=stats if optimizer_steps == 0 else None)
                 tap.keep_logits = router_losses
-            contrib = micro_step(
-                model,
-                micro,
-                rows(advantages),
-                rows(old_logprobs),
-                rows(ref_logprobs),
-                counts,
-                settings,
-                tap,
-                trainer.response_logprobs,
-            )
+            with saved_bytes(weights) as saved:  # what this forward keeps for its backward
+                loss, contrib = micro_loss(
+                    model,
+                    micro,
+                    rows(advantages),
+                    rows(old_logprobs),
+                    rows(ref_logprobs),
+                    counts,
+                    settings,
+                    tap,
+                    trainer.response_logprobs,
+                )
+            loss.backward()
+            activations = max(activations, saved.bytes)
             for name, value in contrib.items():
                 totals[name] = totals.get(name, 0) + value
         norm, stepped = trainer.step(settings.grad_clip)
@@ -259,7 +272,7 @@ def update_policy(
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
-    metrics |= split_metrics(trainer, own, micros, whole, batch.input_ids.device)
+    metrics |= split_metrics(trainer, own, micros, whole, activations, batch.input_ids.device)
     if stats is not None:
         sums = host_sums(trainer.reduce(stats.sums()))
         metrics |= moe_metrics(sums, routers.layers, routers.num_experts, routers.null_experts)

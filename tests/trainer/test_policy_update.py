@@ -154,7 +154,7 @@ def test_micro_batch_split_does_not_change_the_update(model, experience, loss_ag
     split = [m["perf/micro_batches"] for m in (whole_metrics, fives_metrics, ones_metrics)]
     assert split == [1, 3, 12]
     for name, value in whole_metrics.items():
-        if name == "perf/micro_batches":
+        if name in ("perf/micro_batches", "memory/activation_peak_mb"):  # the split's own
             continue
         assert fives_metrics[name] == pytest.approx(value, abs=1e-5), name
         assert ones_metrics[name] == pytest.approx(value, abs=1e-5), name

@@ -79,6 +79,8 @@ def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_
     out = str(tmp_path / "rank")
     mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
     ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    whole = _policy(model_dir, "replicate", None).module.parameters()
+    weights_mb = {"replicate": 0.0, "fsdp": sum(p.numel() * 4 for p in whole) / 2**20}
     for strategy, packed in CASES:
         want = alone[packed]
         moved = max(
@@ -93,10 +95,36 @@ def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_
             for name, tensor in got["weights"].items():  # FSDP gives a tied head once
                 torch.testing.assert_close(tensor, want["weights"][name], atol=1e-6, rtol=1e-5)
             for name, value in want["metrics"].items():
+                if name.startswith("memory/"):  # per rank: below
+                    continue
                 assert got["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
             # one slot: every rank ran all 3 micro-batches, the slot's mean is all tokens
             assert got["metrics"]["perf/micro_batches"] == 3
             assert got["metrics"]["perf/token_imbalance"] == 1.0
+            # What a rank's forward keeps for backward is about half one process's: every
+            # per-token activation is split, attention's exchanged q/k/v are the whole
+            # sequence's for half the heads; the [B, 1, T, T] mask and the gathered [B, R]
+            # logprobs are whole on each rank (here ~3%), and FSDP's gathered weights count
+            # too (taken out: the whole parameters, once).
+            mine = got["metrics"]["memory/activation_peak_mb"] - weights_mb[strategy]
+            assert 0.45 < mine / want["metrics"]["memory/activation_peak_mb"] < 0.6
+
+
+def test_activation_peak_grows_with_the_response_length(micro_model_dir):
+    """One process, the model's own forward: 4 responses of 40 tokens keep ~4x what 4 of 10
+    do (prompt width 7: 47 vs 17 positions; per-token activations linear in them, the
+    attention mask quadratic), in one micro-batch each."""
+    model = _policy(str(micro_model_dir), "replicate", None).module
+    peaks = []
+    for length in (10, 40):
+        batch, advantages, old, ref = make_experience(model, [length] * 4)
+        settings = dataclasses.replace(settings_for("token_mean", 4), packed=False)
+        policy = _policy(str(micro_model_dir), "replicate", None)
+        metrics = update_policy(
+            policy, batch, advantages, settings, old_logprobs=old, ref_logprobs=ref
+        )
+        peaks.append(metrics["memory/activation_peak_mb"])
+    assert peaks[0] > 0 and 2.5 < peaks[1] / peaks[0] < 5
 
 
 def test_sequence_parallel_is_refused_where_it_cannot_run():
