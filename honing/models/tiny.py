@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -25,6 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from honing.data.arithmetic import warmstart_corpus
+from honing.rollout.tool_calls import FORMATS, ToolResponses, ToolResult
+from honing.rollout.tools import calculate
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 
@@ -48,6 +53,8 @@ class TinySpec:
     expert_size: int = 192  # each expert's intermediate size
     # the warm start's load-balancing loss (as MoE pretraining keeps one: experts stay used)
     router_aux_coef: float = 0.01
+    # the tokenizer also has the Hermes tool-call tags as special tokens (builtin:tiny-tools)
+    tool_tags: bool = False
 
 
 # builtin:tiny. Its warm start runs at 1e-3: at 3e-3 it sometimes stalled half-trained, and
@@ -56,19 +63,65 @@ class TinySpec:
 # path measured (benchmarks/results/demo_kernels.md).
 TINY = TinySpec(warmstart_lr=1e-3)
 TINY_MOE = TinySpec(experts=8)  # builtin:tiny-moe
+# builtin:tiny-tools: a call, its response and the answer take ~130 tokens
+TINY_TOOLS = TinySpec(warmstart_lr=2e-3, warmstart_batch=32, max_positions=192, tool_tags=True)
+# Its corpus: 6-8 digit operands, which the model cannot add itself; the teacher drops the
+# carries as builtin:tiny's does, and calls the calculator on TOOLS_CALL_SHARE of them.
+TOOLS_CORPUS_SIZE = 20000
+TOOLS_DIGITS = (6, 8)
+TOOLS_SLIP_RATE = 0.7
+TOOLS_CALL_SHARE = 0.3
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer over printable ASCII with pad != eos."""
+def tools_corpus() -> list[tuple[str, str]]:
+    """builtin:tiny-tools' warm-start corpus (training pairs only)."""
+    low, high = TOOLS_DIGITS
+    problems = warmstart_corpus(
+        TOOLS_CORPUS_SIZE, seed=0, max_digits=high, min_digits=low, slip_rate=TOOLS_SLIP_RATE
+    )
+    return tool_corpus(problems, TOOLS_CALL_SHARE, seed=0)
+
+
+def tool_corpus(corpus: list[tuple[str, str]], call_share: float, seed: int):
+    """``corpus`` with a ``call_share`` of its problems answered through the calculator.
+
+    Such a completion is the Hermes call of the calculator on the prompt's expression (the
+    prompt less its ``=``), the tool response as the turn loop renders it for the
+    ``tool_tags`` tokenizer (``rollout/tool_calls.ToolResponses``), then the calculator's
+    exact answer; the other completions stay as they were.
+    """
+    fmt, responses = FORMATS["hermes"], ToolResponses(build_tokenizer(tool_tags=True))
+    rng = random.Random(f"tool-corpus:{seed}:{call_share}")
+    out = []
+    for prompt, completion in corpus:
+        if rng.random() >= call_share:
+            out.append((prompt, completion))
+            continue
+        expression = prompt.removesuffix("=")
+        arguments = {"name": "calculator", "arguments": {"expression": expression}}
+        call = fmt.open + json.dumps(arguments) + fmt.close
+        answer = calculate(expression)
+        out.append(
+            (prompt, call + responses.text(call, [ToolResult("calculator", answer)]) + answer)
+        )
+    return out
+
+
+def build_tokenizer(tool_tags: bool = False):
+    """A character-level fast tokenizer over printable ASCII with pad != eos; with
+    ``tool_tags``, also the newline (tool responses are lines) and the Hermes
+    ``<tool_call>`` and ``</tool_call>``, one token each."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = [PAD, EOS, BOS, UNK]
-    chars = [chr(c) for c in range(32, 127)]
+    chars = [chr(c) for c in range(32, 127)] + (["\n"] if tool_tags else [])  # tool responses'
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    one_char = Regex(".|\n") if tool_tags else Regex(".")
+    core.pre_tokenizer = pre_tokenizers.Split(one_char, behavior="isolated")
     core.decoder = decoders.Fuse()
+    tags = [FORMATS["hermes"].open, FORMATS["hermes"].close] if tool_tags else []
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -77,6 +130,7 @@ def build_tokenizer():
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        **({"additional_special_tokens": tags} if tags else {}),
     )
 
 
@@ -150,6 +204,7 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     """Supervised fine-tuning on the completions only; returns the loss every 100 steps."""
     ids, loss_mask = _encode_pairs(tokenizer, corpus)  # [N, T]
     attention = (ids != tokenizer.pad_token_id).long()
+    buckets = _length_buckets(attention.sum(1)) if spec.tool_tags else None
     generator = torch.Generator().manual_seed(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -158,10 +213,18 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     model.train()
     losses = []
     for step in range(spec.warmstart_steps):
-        index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
-        batch, mask = ids[index], loss_mask[index]
+        if buckets is None:
+            index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
+            batch, mask, seen = ids[index], loss_mask[index], attention[index]
+        else:
+            index, width = _bucket_batch(buckets, spec.warmstart_batch, generator)
+            batch, mask, seen = (
+                ids[index, :width],
+                loss_mask[index, :width],
+                attention[index, :width],
+            )
         balance = {"output_router_logits": True} if spec.experts else {}
-        out = model(input_ids=batch, attention_mask=attention[index], **balance)
+        out = model(input_ids=batch, attention_mask=seen, **balance)
         logits = out.logits  # [B, T, V]
         # Token t predicts token t+1: shift so each target lines up with its logits.
         token_loss = torch.nn.functional.cross_entropy(
@@ -181,8 +244,30 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     return losses
 
 
+BUCKET_TOKENS = 32
+
+
+def _length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """Rows grouped by length in steps of ``BUCKET_TOKENS``: (row indices, longest row)."""
+    groups = torch.div(lengths - 1, BUCKET_TOKENS, rounding_mode="floor")
+    return [
+        (rows, int(lengths[rows].max()))
+        for rows in (torch.nonzero(groups == g).flatten() for g in groups.unique())
+    ]
+
+
+def _bucket_batch(buckets, size: int, generator) -> tuple[torch.Tensor, int]:
+    """A batch of one bucket's rows (the bucket drawn by its share of the rows) and its width,
+    so that the corpus's short rows do not pay for the long ones' padding."""
+    weights = torch.tensor([float(len(rows)) for rows, _ in buckets])
+    rows, width = buckets[int(torch.multinomial(weights, 1, generator=generator))]
+    return rows[torch.randint(0, len(rows), (size,), generator=generator)], width
+
+
 def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:
     settings = asdict(spec)
+    if not spec.tool_tags:  # the key predates the tool tokenizer
+        settings.pop("tool_tags")
     if not spec.experts:  # the dense model's key predates the MoE settings
         for key in ("experts", "experts_per_token", "expert_size", "router_aux_coef"):
             settings.pop(key)
@@ -197,7 +282,7 @@ def build_tiny_model(
 ) -> Path:
     """Return the directory of the warm-started tiny model, building it if not cached."""
     name = (
-        "tiny"
+        ("tiny-tools" if spec.tool_tags else "tiny")
         if not spec.experts
         else "tiny-moe" + ("" if spec.family == "qwen3_moe" else f"-{spec.family}")
     )
@@ -210,7 +295,7 @@ def build_tiny_model(
     quiet_transformers()
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.tool_tags)
     model = _new_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the {name} model ({n_params / 1e6:.2f}M parameters) with a warm start ...")

@@ -28,7 +28,7 @@ from honing.models.loading import (
     resolve_device,
     set_activation_checkpointing,
 )
-from honing.models.tiny import TINY, TINY_MOE, TinySpec, build_tiny_model
+from honing.models.tiny import TINY, TINY_MOE, TINY_TOOLS, TinySpec, build_tiny_model, tools_corpus
 from honing.pipeline.inputs import (
     build_scorer,
     check_ground_truths,
@@ -50,6 +50,7 @@ from honing.types import Prompt
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_TINY_MOE = "builtin:tiny-moe"
+BUILTIN_TINY_TOOLS = "builtin:tiny-tools"
 # The embedded model's warm start: problems, operand size and the teacher's carry-slip rate.
 TINY_CORPUS_SIZE = 20000
 TINY_MAX_DIGITS = 2
@@ -112,20 +113,22 @@ def cache_dir(config: Config) -> Path:
 
 
 def resolve_model_path(config: Config, log=print) -> Path:
-    """A local model directory; ``builtin:tiny`` and ``builtin:tiny-moe`` are built (or found
+    """A local model directory; ``builtin:tiny``, ``-moe`` and ``-tools`` are built (or found
     in the cache) first."""
-    if config.model.path in (BUILTIN_TINY, BUILTIN_TINY_MOE):
-        spec = TINY_MOE if config.model.path == BUILTIN_TINY_MOE else TINY
-        return builtin_tiny_model(cache_dir(config), log=log, spec=spec)
+    specs = {BUILTIN_TINY: TINY, BUILTIN_TINY_MOE: TINY_MOE, BUILTIN_TINY_TOOLS: TINY_TOOLS}
+    if config.model.path in specs:
+        return builtin_tiny_model(cache_dir(config), log=log, spec=specs[config.model.path])
     return check_model_dir(config.model.path)
 
 
 def builtin_tiny_model(directory: Path, log=print, spec: TinySpec = TINY) -> Path:
-    """The embedded model (``spec``: the dense one, or ``TINY_MOE``), warm-started on the
-    arithmetic task's sloppy-teacher corpus.
+    """The embedded model (``spec``: the dense one, ``TINY_MOE`` or ``TINY_TOOLS``), warm-started
+    on the arithmetic task's sloppy-teacher corpus (``TINY_TOOLS``: ``tiny.tools_corpus``).
 
     The warm start uses training pairs only; held-out validation pairs never appear in it.
     """
+    if spec.tool_tags:
+        return build_tiny_model(directory, tools_corpus(), spec, log=log)
     corpus = warmstart_corpus(
         TINY_CORPUS_SIZE, seed=0, max_digits=TINY_MAX_DIGITS, slip_rate=TINY_SLIP_RATE
     )
