@@ -2,7 +2,9 @@
 
 ``extract_answer`` looks, in order of preference, for the last ``\\boxed{...}`` (nested
 braces allowed), the last ``#### <number>`` (GSM8K style), the last "the answer is <number>",
-and finally the last number anywhere in the text. ``parse_number`` reads integers,
+and finally the last number anywhere in the text, all in what follows the last tool response
+(``</tool_response>``, a multi-turn response's tool output is in its text: the answer is the
+model's, never the tool's). ``parse_number`` reads integers,
 decimals, thousands separators (``1,234``), simple fractions (``3/4``) and LaTeX fractions
 (``\\frac{3}{4}``) into an exact ``Fraction``.
 
@@ -20,6 +22,8 @@ from typing import Any
 from honing.errors import RewardError
 
 RELATIVE_TOLERANCE = Fraction(1, 10**6)
+# Where a Hermes tool response ends (rollout/tool_calls.FALLBACK_RESPONSE, chat templates).
+TOOL_RESPONSE_END = "</tool_response>"
 
 # A number inside prose: optional sign (not after a word or bracket, where "-" is an
 # operator), thousands groups or plain digits, optional decimals, optional "/denominator".
@@ -44,8 +48,10 @@ def extract_answer(text: str) -> str | None:
     """The final answer in ``text`` as written, or ``None`` when there is none.
 
     Examples: ``"so \\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``; ``"#### 1,234"`` ->
-    ``"1,234"``; ``"The answer is -7."`` -> ``"-7"``; ``"no digits here"`` -> ``None``.
+    ``"1,234"``; ``"The answer is -7."`` -> ``"-7"``; ``"no digits here"`` -> ``None``;
+    ``"<tool_response>\\n42\\n</tool_response>\\n"`` -> ``None`` (the model gave no answer).
     """
+    text = text.rpartition(TOOL_RESPONSE_END)[2]
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
