@@ -18,7 +18,9 @@ The splits compared (``--budget``, ``--counts``):
 
 Per split: the median update time over ``--steps`` steps a round (the first of each round is
 warm-up and dropped) and ``--rounds`` rounds that alternate the splits, so drift affects all
-alike; micro-batches per step; the largest micro-batch in padded tokens (rows x widest row:
+alike; micro-batches per step; the activation peak (``memory/activation_peak_mb``: the most
+bytes one micro-batch's forward kept for its backward); the largest micro-batch in padded
+tokens (rows x widest row:
 what the padded forward holds; the packed forward holds no more); on CUDA the peak memory
 allocated during the update.
 
@@ -139,7 +141,7 @@ def measure(args) -> dict:
     splits |= {f"count={m}": {"micro_batch_size": m} for m in args.counts}
     settings = {name: replace(base, **options) for name, options in splits.items()}
     samples = {name: {"seconds": [], "peak_bytes": []} for name in splits}
-    micro_batches = {}
+    micro_batches, activation = {}, {}
     for _ in range(args.rounds):  # alternating, so drift affects every split alike
         for name, chosen in settings.items():
             for step in range(args.steps + 1):
@@ -148,6 +150,7 @@ def measure(args) -> dict:
                     samples[name]["seconds"].append(seconds)
                     samples[name]["peak_bytes"].append(peak)
                 micro_batches[name] = metrics["perf/micro_batches"]
+                activation[name] = metrics["memory/activation_peak_mb"]
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -159,6 +162,7 @@ def measure(args) -> dict:
                 "micro_batches": micro_batches[name],
                 "largest_micro_batch_tokens": largest_micro_batch(batch, settings[name]),
                 "peak_mb": max(samples[name]["peak_bytes"]) / 2**20,
+                "activation_peak_mb": activation[name],
             }
             for name in splits
         },
@@ -176,15 +180,15 @@ def table(result: dict, command: str) -> list[str]:
         "alternating rounds",
         "",
         "| split | update s (median) | vs token budget | micro-batches | largest micro-batch, "
-        "padded tokens | peak MB (CUDA) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "padded tokens | activation peak MB (saved for backward) | peak MB (CUDA) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in splits.items():
         ratio = s["median_update_s"] / splits[budget]["median_update_s"]
         peak = f"{s['peak_mb']:,.0f}" if s["peak_mb"] else "–"  # measured on CUDA only
         lines.append(
             f"| {name} | {s['median_update_s']:.3f} | {ratio:.2f}x | {s['micro_batches']:.0f} | "
-            f"{s['largest_micro_batch_tokens']:,} | {peak} |"
+            f"{s['largest_micro_batch_tokens']:,} | {s['activation_peak_mb']:,.0f} | {peak} |"
         )
     return lines
 

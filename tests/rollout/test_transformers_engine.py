@@ -16,6 +16,7 @@ from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.sampling import filter_logits
 from honing.rollout.transformers_engine import TransformersEngine
+from tests.rollout.continuing import continued
 
 CPU = torch.device("cpu")
 # Prompts of different lengths in one batch, so most rows are left-padded.
@@ -322,28 +323,6 @@ def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf(extra):
     assert (tokens[:100] == SAMPLE_BLOCK * 2 + 3).all()
 
 
-def _continue(engine, tokenizer, params, chunks, key="s", between=None):
-    """One sample per prompt continued over ``chunks`` calls of ``params.max_new_tokens``
-    tokens (keyed by ``key``, or not when None); ``between(i)`` runs after call i."""
-    prompts = {f"p{i}": tokenizer.encode(text) for i, text in enumerate(PROMPTS)}
-    made = {p: ([], []) for p in prompts}
-    going = set(prompts)
-    for call in range(chunks):
-        requests = [
-            GenerationRequest(p, ids + made[p][0], i, key=None if key is None else f"{key}{p}")
-            for i, (p, ids) in enumerate(prompts.items())
-            if p in going
-        ]
-        for rollout in engine.generate(requests, replace(params, seed=call)):
-            made[rollout.prompt_id][0].extend(rollout.response_ids)
-            made[rollout.prompt_id][1].extend(rollout.behaviour_logprobs)
-            if rollout.finish_reason != "length":
-                going.discard(rollout.prompt_id)
-        if between is not None:
-            between(call)
-    return prompts, made
-
-
 def test_a_kept_cache_continues_a_sample_as_one_call_would(model, tokenizer):
     """Greedy samples continued 2 tokens at a time from their kept caches equal one call of
     8 tokens, token for token; unkeyed, every call computes the cache again, with the same
@@ -353,10 +332,11 @@ def test_a_kept_cache_continues_a_sample_as_one_call_would(model, tokenizer):
     whole = SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, greedy=True)
     once = {r.prompt_id: r for r in engine.generate(requests_for(tokenizer), whole)}
     engine.take_report()
-    for key in ("kept", None):
-        _, made = _continue(engine, tokenizer, replace(whole, max_new_tokens=2), 4, key=key)
+    for key in (True, False):
+        chunk = replace(whole, max_new_tokens=2)
+        made = continued(engine, requests_for(tokenizer), chunk, 4, keyed=key, reseed=True)
         kept = engine.take_report()[0].get("partial/kv_kept_tokens", 0)
-        assert (kept > 0) == (key is not None)
+        assert (kept > 0) == key
         for prompt_id, (ids, logprobs) in made.items():
             length = len(once[prompt_id].response_ids)
             assert ids[:length] == once[prompt_id].response_ids
@@ -385,7 +365,9 @@ def test_after_new_weights_a_kept_sample_goes_on_from_the_old_weights_cache(mode
         if call == 0:
             engine.load_weights(1, state)
 
-    prompts, made = _continue(engine, tokenizer, params, 2, between=update)
+    requests = requests_for(tokenizer)
+    prompts = {r.prompt_id: r.prompt_ids for r in requests}
+    made = continued(engine, requests, params, 2, reseed=True, between=update)
     cache_arg = engine._cache_arg
     checked = 0
     for prompt_id, (ids, logprobs) in made.items():

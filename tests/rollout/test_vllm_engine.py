@@ -31,6 +31,7 @@ from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from honing.trainer.batch import collate, response_logprobs  # noqa: E402
 from honing.trainer.engine import buckets  # noqa: E402
 from tests.models.moe_models import moe_model  # noqa: E402
+from tests.rollout.continuing import continued  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -245,29 +246,6 @@ def test_torch_threads_stay_the_trainer_s_to_set(llama):
         torch.set_num_threads(before)
 
 
-def _chunks(engine, requests, params, calls, between=None):
-    """Each request continued as one keyed sample over ``calls`` calls of
-    ``params.max_new_tokens`` tokens; ``between(i)`` runs after call i."""
-    made = {r.prompt_id: ([], []) for r in requests}
-    going = {r.prompt_id for r in requests}
-    for call in range(calls):
-        keyed = [
-            GenerationRequest(r.prompt_id, r.prompt_ids + made[r.prompt_id][0], i, key=r.prompt_id)
-            for i, r in enumerate(requests)
-            if r.prompt_id in going
-        ]
-        if not keyed:
-            break
-        for rollout in engine.generate(keyed, params):
-            made[rollout.prompt_id][0].extend(rollout.response_ids)
-            made[rollout.prompt_id][1].extend(rollout.behaviour_logprobs)
-            if rollout.finish_reason != "length":
-                going.discard(rollout.prompt_id)
-        if between is not None:
-            between(call)
-    return made
-
-
 @pytest.fixture(scope="module")
 def keeping(model_dirs):
     """A vLLM engine without a prefix cache: it keeps keyed samples alive between calls."""
@@ -293,7 +271,7 @@ def test_a_kept_vllm_sample_continues_as_one_call_would(keeping):
     params = SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, temperature=0.8, seed=3)
     requests = _requests(tokenizer)
     once = {r.prompt_id: r for r in engine.generate(requests, params)}
-    made = _chunks(engine, requests, replace(params, max_new_tokens=1), 8)
+    made = continued(engine, requests, replace(params, max_new_tokens=1), 8)
     for prompt_id, (ids, logprobs) in made.items():
         assert ids == once[prompt_id].response_ids
         torch.testing.assert_close(
@@ -324,7 +302,7 @@ def test_after_new_weights_a_kept_vllm_sample_goes_on_over_the_old_cache(keeping
 
     try:
         requests = _requests(tokenizer)
-        made = _chunks(engine, requests, params, 4, between=update)
+        made = continued(engine, requests, params, 4, between=update)
     finally:
         engine.load_weights(0, _parameter_buckets(old))
     gaps = []
