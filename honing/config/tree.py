@@ -156,6 +156,11 @@ class RewardConfig:
     code_timeout_s: float = _opt(10.0, gt=0.0)  # hard deadline of one program run
     overlong_buffer_len: int = _opt(0, ge=0)  # DAPO soft overlong penalty window (0 = off)
     overlong_penalty_factor: float = _opt(1.0, ge=0.0)  # penalty at max_new_tokens
+    # rollout.tools: subtracted from a sample's reward per tool call that errored (malformed,
+    # unknown tool, raised, timed out) and per call beyond free_tool_calls (0 = off)
+    tool_error_penalty: float = _opt(0.0, ge=0.0)
+    tool_call_penalty: float = _opt(0.0, ge=0.0)
+    free_tool_calls: int = _opt(1, ge=0)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from honing.config import Config
 from honing.pipeline.components import Components
-from honing.rewards.shaping import overlong_penalty
+from honing.rewards.shaping import overlong_penalty, tool_penalty
 from honing.rollout.base import GenerationRequest
 from honing.seeds import round_seed
 from honing.types import Rollout, Score
@@ -136,8 +136,20 @@ def _groups(rollouts: list[Rollout], scores: list[Score]):
 
 
 def _shape(config: Config, rollouts: list[Rollout], scores: list[Score]) -> None:
-    """Add DAPO's overlong penalty to each finite reward (recorded in the details)."""
+    """Add DAPO's overlong penalty and the tool calls' penalty to each finite reward (each
+    recorded in the details)."""
     reward = config.reward
+    if reward.tool_error_penalty or reward.tool_call_penalty:
+        for r, s in zip(rollouts, scores, strict=True):
+            penalty = tool_penalty(
+                r.tool_calls,
+                reward.tool_error_penalty,
+                reward.tool_call_penalty,
+                reward.free_tool_calls,
+            )
+            if penalty and math.isfinite(s.reward):
+                s.reward += penalty
+                s.details["tool_penalty"] = penalty
     if reward.overlong_buffer_len <= 0:
         return
     for r, s in zip(rollouts, scores, strict=True):

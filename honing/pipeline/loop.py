@@ -358,7 +358,15 @@ class TrainLoop:
                     **{
                         k: v
                         for k, v in scores[i].details.items()
-                        if k in ("extracted", "verdict", "reason", "error", "overlong_penalty")
+                        if k
+                        in (
+                            "extracted",
+                            "verdict",
+                            "reason",
+                            "error",
+                            "overlong_penalty",
+                            "tool_penalty",
+                        )
                     },
                 }
                 for i in picked
