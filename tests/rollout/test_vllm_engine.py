@@ -321,3 +321,21 @@ def test_after_new_weights_a_kept_vllm_sample_goes_on_over_the_old_cache(keeping
         torch.testing.assert_close(torch.tensor(logprobs[2:]), kept, atol=KEPT, rtol=0)
         gaps.append(float((recomputed - kept).abs().max()))
     assert gaps and max(gaps) > 10 * KEPT  # the old cache mattered (measured 2e-3 to 4.5e-3)
+
+
+def test_a_call_s_stop_ids_end_its_responses(llama):
+    """``SamplingParams.stop_ids`` (the turn loop's closing tag): each sample, drawn with the
+    same seed, ends at the first of them it samples, as ``stop``."""
+    tokenizer, _, engine = llama
+    params = SamplingParams(n=4, max_new_tokens=12, max_seq_len=64, temperature=1.5, seed=3)
+    free = engine.generate(_requests(tokenizer), params)
+    stop = max(free, key=lambda r: len(r.response_ids)).response_ids[1]
+    cut = engine.generate(_requests(tokenizer), replace(params, stop_ids=(stop,)))
+    stopped = 0
+    for whole, part in zip(free, cut, strict=True):
+        ids = whole.response_ids
+        if stop in ids:
+            ids, stopped = ids[: ids.index(stop) + 1], stopped + 1
+            assert part.finish_reason == "stop"
+        assert part.response_ids == ids
+    assert stopped >= 1
