@@ -75,13 +75,13 @@ def model_dirs(tmp_path_factory, vllm_model_dir):
     return {"llama": llama, "qwen2": root / "qwen2", "qwen3_moe": root / "qwen3_moe"}
 
 
-def _engine(directory, tokenizer, policy) -> VLLMEngine:
+def _engine(directory, tokenizer, policy, prefix_caching: bool = True) -> VLLMEngine:
     return VLLMEngine(
         directory,
         tokenizer,
         stop_ids=stop_token_ids(policy, tokenizer),
         max_seq_len=64,
-        settings=VLLMSettings(kv_cache_mb=16, max_num_seqs=64),
+        settings=VLLMSettings(kv_cache_mb=16, max_num_seqs=64, prefix_caching=prefix_caching),
     )
 
 
@@ -150,11 +150,12 @@ def test_sampled_logprobs_match_the_trainer_after_every_update(model_dirs, famil
 
 @pytest.fixture(scope="module")
 def llama(model_dirs):
-    """The tied Llama: its tokenizer, the trainer's module and a vLLM engine on it."""
+    """The tied Llama: its tokenizer, the trainer's module and a vLLM engine on it, without a
+    prefix cache: it keeps keyed samples alive between calls (partial_kv=keep)."""
     directory = model_dirs["llama"]
     tokenizer = load_tokenizer(directory)
     policy = load_causal_lm(directory, tokenizer, dtype="float32", device=torch.device("cpu"))
-    engine = _engine(directory, tokenizer, policy.eval())
+    engine = _engine(directory, tokenizer, policy.eval(), prefix_caching=False)
     yield tokenizer, policy, engine
     engine.close()
 
@@ -246,28 +247,11 @@ def test_torch_threads_stay_the_trainer_s_to_set(llama):
         torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def keeping(model_dirs):
-    """A vLLM engine without a prefix cache: it keeps keyed samples alive between calls."""
-    directory = model_dirs["llama"]
-    tokenizer = load_tokenizer(directory)
-    policy = load_causal_lm(directory, tokenizer, dtype="float32", device=torch.device("cpu"))
-    engine = VLLMEngine(
-        directory,
-        tokenizer,
-        stop_ids=stop_token_ids(policy, tokenizer),
-        max_seq_len=64,
-        settings=VLLMSettings(kv_cache_mb=16, max_num_seqs=64, prefix_caching=False),
-    )
-    assert engine.keeps_kv
-    yield tokenizer, policy.eval(), engine
-    engine.close()
-
-
-def test_a_kept_vllm_sample_continues_as_one_call_would(keeping):
+def test_a_kept_vllm_sample_continues_as_one_call_would(llama):
     """Samples continued a token per call in vLLM's engine (its requests kept alive) make the
     tokens of one call, with the same logprobs."""
-    tokenizer, _, engine = keeping
+    tokenizer, _, engine = llama
+    assert engine.keeps_kv
     params = SamplingParams(n=1, max_new_tokens=8, max_seq_len=64, temperature=0.8, seed=3)
     requests = _requests(tokenizer)
     once = {r.prompt_id: r for r in engine.generate(requests, params)}
@@ -283,13 +267,13 @@ def test_a_kept_vllm_sample_continues_as_one_call_would(keeping):
     assert not engine._live.live  # every sample ended: none left in vLLM
 
 
-def test_after_new_weights_a_kept_vllm_sample_goes_on_over_the_old_cache(keeping):
+def test_after_new_weights_a_kept_vllm_sample_goes_on_over_the_old_cache(llama):
     """Two tokens by the loaded weights, new weights, then the rest: each later token's
     logprob is the new model's over the old model's cache of the earlier tokens (built here
     with the models' own forward and KV cache), not the new model's own forward. The kept
     tokens match within ``KEPT`` (measured 1e-6: one update, modest logits), while the new
     model's own forward differs from them by 2e-3 to 4.5e-3 on these samples."""
-    tokenizer, policy, engine = keeping
+    tokenizer, policy, engine = llama
     old = copy.deepcopy(policy)
     new = copy.deepcopy(policy)
     for seed in (11, 12, 13):  # far from the old weights: their caches differ clearly
