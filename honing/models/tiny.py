@@ -64,11 +64,13 @@ class TinySpec:
 TINY = TinySpec(warmstart_lr=1e-3)
 TINY_MOE = TinySpec(experts=8)  # builtin:tiny-moe
 # builtin:tiny-tools: a call, its response and the answer take ~130 tokens
-TINY_TOOLS = TinySpec(warmstart_lr=2e-3, warmstart_batch=32, max_positions=192, tool_tags=True)
-# Its corpus: 6-8 digit operands, which the model cannot add itself; the teacher drops the
+TINY_TOOLS = TinySpec(
+    warmstart_steps=2000, warmstart_lr=3e-3, warmstart_batch=32, max_positions=192, tool_tags=True
+)
+# Its corpus: 8-digit operands, which the model cannot add itself; the teacher drops the
 # carries as builtin:tiny's does, and calls the calculator on TOOLS_CALL_SHARE of them.
 TOOLS_CORPUS_SIZE = 20000
-TOOLS_DIGITS = (6, 8)
+TOOLS_DIGITS = (8, 8)
 TOOLS_SLIP_RATE = 0.7
 TOOLS_CALL_SHARE = 0.3
 
@@ -204,7 +206,7 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     """Supervised fine-tuning on the completions only; returns the loss every 100 steps."""
     ids, loss_mask = _encode_pairs(tokenizer, corpus)  # [N, T]
     attention = (ids != tokenizer.pad_token_id).long()
-    buckets = _length_buckets(attention.sum(1)) if spec.tool_tags else None
+    lengths = attention.sum(1)
     generator = torch.Generator().manual_seed(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -213,24 +215,15 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     model.train()
     losses = []
     for step in range(spec.warmstart_steps):
-        if buckets is None:
-            index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
-            batch, mask, seen = ids[index], loss_mask[index], attention[index]
-        else:
-            index, width = _bucket_batch(buckets, spec.warmstart_batch, generator)
-            batch, mask, seen = (
-                ids[index, :width],
-                loss_mask[index, :width],
-                attention[index, :width],
-            )
+        index = torch.randint(0, ids.shape[0], (spec.warmstart_batch,), generator=generator)
+        groups = _length_groups(index, lengths) if spec.tool_tags else [(index, ids.shape[1])]
         balance = {"output_router_logits": True} if spec.experts else {}
-        out = model(input_ids=batch, attention_mask=seen, **balance)
-        logits = out.logits  # [B, T, V]
-        # Token t predicts token t+1: shift so each target lines up with its logits.
-        token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
-        ).view(batch.shape[0], -1)
-        loss = (token_loss * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss_sum = 0.0
+        for rows, width in groups:
+            part = (ids[rows, :width], loss_mask[rows, :width], attention[rows, :width])
+            part_sum, out = _loss_sum(model, *part, **balance)
+            loss_sum = loss_sum + part_sum
+        loss = loss_sum / loss_mask[index, 1:].sum()
         if spec.experts:
             loss = loss + spec.router_aux_coef * out.aux_loss
         optimizer.zero_grad(set_to_none=True)
@@ -244,24 +237,27 @@ def warm_start(model, tokenizer, corpus: list[tuple[str, str]], spec: TinySpec) 
     return losses
 
 
+def _loss_sum(model, batch, mask, attention, **kwargs):
+    """The summed next-token loss of ``batch``'s masked tokens, and the model's output."""
+    out = model(input_ids=batch, attention_mask=attention, **kwargs)
+    logits = out.logits  # [B, T, V]
+    # Token t predicts token t+1: shift so each target lines up with its logits.
+    token_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+    ).view(batch.shape[0], -1)
+    return (token_loss * mask[:, 1:]).sum(), out
+
+
 BUCKET_TOKENS = 32
 
 
-def _length_buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-    """Rows grouped by length in steps of ``BUCKET_TOKENS``: (row indices, longest row)."""
-    groups = torch.div(lengths - 1, BUCKET_TOKENS, rounding_mode="floor")
-    return [
-        (rows, int(lengths[rows].max()))
-        for rows in (torch.nonzero(groups == g).flatten() for g in groups.unique())
-    ]
-
-
-def _bucket_batch(buckets, size: int, generator) -> tuple[torch.Tensor, int]:
-    """A batch of one bucket's rows (the bucket drawn by its share of the rows) and its width,
-    so that the corpus's short rows do not pay for the long ones' padding."""
-    weights = torch.tensor([float(len(rows)) for rows, _ in buckets])
-    rows, width = buckets[int(torch.multinomial(weights, 1, generator=generator))]
-    return rows[torch.randint(0, len(rows), (size,), generator=generator)], width
+def _length_groups(index: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """``index``'s rows grouped by length in steps of ``BUCKET_TOKENS``, each group with its
+    longest row: a forward pass per group keeps the short rows (direct answers) from paying
+    for the long ones' (tool calls) padding; their summed losses are the whole batch's."""
+    group = torch.div(lengths[index] - 1, BUCKET_TOKENS, rounding_mode="floor")
+    parts = [index[group == g] for g in group.unique()]
+    return [(rows, int(lengths[rows].max())) for rows in parts]
 
 
 def cache_key(spec: TinySpec, corpus: list[tuple[str, str]]) -> str:

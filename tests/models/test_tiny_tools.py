@@ -3,11 +3,18 @@ corpus writes calls and tool responses with the tokens the turn loop reads and a
 
 from dataclasses import replace
 
+import torch
+
 from honing.data import warmstart_corpus
 from honing.models.tiny import (
     TINY,
     TINY_TOOLS,
     TOOLS_CALL_SHARE,
+    TOOLS_DIGITS,
+    _encode_pairs,
+    _length_groups,
+    _loss_sum,
+    _new_model,
     build_tokenizer,
     cache_key,
     tool_corpus,
@@ -73,6 +80,25 @@ def test_the_builtin_corpus_calls_on_its_share_of_big_additions():
     rows = tools_corpus()
     calls = sum(c.startswith(HERMES.open) for _, c in rows)
     assert abs(calls / len(rows) - TOOLS_CALL_SHARE) < 0.02
-    assert all(
-        6 <= len(a) <= 8 and 6 <= len(b) <= 8 for a, b in (p[:-1].split("+") for p, _ in rows)
-    )
+    low, high = TOOLS_DIGITS
+    operands = [n for p, _ in rows for n in p.removesuffix("=").split("+")]
+    assert all(low <= len(n) <= high for n in operands)
+
+
+def test_the_warm_start_s_length_groups_give_the_padded_batch_s_loss():
+    """A forward pass per length group, each cut to its longest row, sums to the loss of the
+    batch padded to its longest row."""
+    tokenizer = build_tokenizer(tool_tags=True)
+    micro = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+    model = _new_model(replace(TINY_TOOLS, **micro), tokenizer)
+    corpus = tool_corpus(warmstart_corpus(24, seed=2, max_digits=8, min_digits=6), 0.3, seed=2)
+    ids, mask = _encode_pairs(tokenizer, corpus)
+    attention = (ids != tokenizer.pad_token_id).long()
+    index = torch.arange(len(corpus)).repeat(2)  # rows drawn twice, as draws may
+    groups = _length_groups(index, attention.sum(1))
+    assert sorted(torch.cat([rows for rows, _ in groups]).tolist()) == sorted(index.tolist())
+    assert len(groups) == 2 and min(width for _, width in groups) < 40 < ids.shape[1]
+    with torch.no_grad():
+        padded, _ = _loss_sum(model, ids[index], mask[index], attention[index])
+        parts = [_loss_sum(model, ids[r, :w], mask[r, :w], attention[r, :w])[0] for r, w in groups]
+    assert torch.allclose(sum(parts), padded, rtol=1e-5)
