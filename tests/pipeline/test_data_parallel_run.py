@@ -214,7 +214,7 @@ def test_a_group_the_caller_made_is_left_to_it(one_rank_group):
 def test_the_others_are_told_how_the_run_ended(joined, monkeypatch):
     stops = []
     monkeypatch.setattr(torchrun.Leader, "stop", lambda self, failed: stops.append(failed))
-    replicated = SimpleNamespace(is_sharded=False)  # the replicated ops
+    replicated = SimpleNamespace(is_sharded=False, passes_together=False)  # replicated ops
     parts = SimpleNamespace(trainers=SimpleNamespace(policy=replicated))
     with torchrun.lead(joined, parts, None) as leader:
         assert leader.parts is parts
