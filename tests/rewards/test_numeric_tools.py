@@ -7,7 +7,9 @@ from honing.models.tiny import build_tokenizer
 from honing.rewards.numeric import TOOL_RESPONSE_END, numeric_reward
 from honing.rollout.tool_calls import FALLBACK_RESPONSE, ToolResponses, ToolResult
 
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "96880963+752388"}}</tool_call>'
+CALL = (
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "96880963+752388"}}</tool_call>'
+)
 
 
 def response_text(tool_output: str, answer: str) -> str:
