@@ -428,11 +428,6 @@ def _tools(config: Config, world_size: int) -> None:
             "a sample is continued by turns, not by chunks",
         ),
         (
-            config.algorithm.routing_replay != "off",
-            f"algorithm.routing_replay={config.algorithm.routing_replay}",
-            "the experts of a multi-turn response are not recorded across its turns",
-        ),
-        (
             config.rollout.speculative != "off",
             f"rollout.speculative={config.rollout.speculative}",
             "a drafted turn does not stop at a tool call",

@@ -17,7 +17,9 @@ A sample ends at a turn without a call (its answer), at ``max_turns`` (``length`
 turn's calls are not run), or at its token budget (``length``; a tool response that does not
 fit is not appended, so a response always ends with tokens the model sampled). The tool
 responses are recorded as ``Rollout.tool_spans`` (no loss, behaviour logprob 0) and each call
-in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics.
+in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics. A mixture-of-experts
+policy's routed experts (routing replay R3) are the last turn's: its prompt held every earlier
+token, the tool responses too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from honing.errors import ConfigError
 from honing.rollout.base import (
@@ -62,6 +65,7 @@ class _Sample:
     finish: str | None = None
     waiting: list[Future] = field(default_factory=list)  # its turn's calls, running
     turn_text: str = ""
+    experts: Any = None  # the last turn's routed experts: its prompt held every earlier token
 
 
 class ToolEngine(RolloutEngine):
@@ -160,6 +164,10 @@ class ToolEngine(RolloutEngine):
             taken = out.response_ids[:room]
             sample.ids += taken
             sample.logprobs += out.behaviour_logprobs[: len(taken)]
+            if out.routed_experts is not None:  # prompt + every token so far but the last
+                sample.experts = out.routed_experts[
+                    : len(sample.request.prompt_ids) + len(sample.ids) - 1
+                ]
             sample.turns += 1
             if len(taken) < len(out.response_ids):  # past its own budget
                 sample.finish = "length"
@@ -224,6 +232,7 @@ class ToolEngine(RolloutEngine):
             tool_spans=list(sample.spans),
             tool_calls=sample.calls,
             turns=sample.turns,
+            routed_experts=sample.experts,
         )
 
     def _count(self, samples: list[_Sample]) -> None:

@@ -61,7 +61,6 @@ def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
             1,
             "schedule.partial_rollout",
         ),
-        ({"algorithm.routing_replay": "R3"}, 1, "algorithm.routing_replay=R3"),
         ({"rollout.speculative": "ngram"}, 1, "rollout.speculative=ngram"),
     ],
 )

@@ -50,6 +50,7 @@ class Scripted(RolloutEngine):
             end = next((i + 1 for i, t in enumerate(turn) if t in stops), len(turn))
             ids = turn[: min(end, params.max_new_tokens)]
             reason = "stop" if ids and ids[-1] in stops else "length"
+            experts = torch.arange(len(r.prompt_ids) + len(ids) - 1)[:, None, None]
             out.append(
                 Rollout(
                     r.prompt_id,
@@ -60,6 +61,7 @@ class Scripted(RolloutEngine):
                     reason,
                     self.weight_version,
                     "",
+                    routed_experts=experts,  # the token's position, to see which call it is
                 )
             )
         return out
@@ -237,3 +239,13 @@ def test_concurrent_samples_of_one_call_are_independent(tokenizer):
     for t in threads:
         t.join()
     assert len(results) == 2 and all(r[0].turns == 2 for r in results)
+
+
+def test_a_multi_turn_sample_s_routed_experts_are_its_last_turn_s(tokenizer):
+    """Routing replay (R3): the last turn's call ran the prompt and every earlier token, tool
+    responses included, so its experts cover the whole sequence but its last token."""
+    prompt = words(tokenizer, "5+5=", end=False)
+    engine, _ = tool_engine(tokenizer, {"p": [call(tokenizer, "5+5"), words(tokenizer, "10")]})
+    [rollout] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
+    length = len(prompt) + len(rollout.response_ids) - 1
+    assert rollout.routed_experts[:, 0, 0].tolist() == list(range(length))
