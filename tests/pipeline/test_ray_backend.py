@@ -295,14 +295,17 @@ def test_async_run_goes_on_while_workers_die_and_are_added(
     rid = ray_run.run_id(run_dir)
     deadline = time.monotonic() + 240
     workers = []
-    while len(workers) < 2 and thread.is_alive() and time.monotonic() < deadline:
+    while not workers and thread.is_alive() and time.monotonic() < deadline:
         try:  # both rollout workers loaded, so that the killed one has had work
             workers = [
                 ray.get_actor(f"{rid}/rollout-{i}", namespace=ray_pools.NAMESPACE) for i in (1, 2)
             ]
-        except ValueError:
+            ray.get([worker.ready.remote() for worker in workers])
+        except ValueError:  # not made yet
             time.sleep(0.05)
-    ray.get([worker.ready.remote() for worker in workers])
+        except ray.exceptions.RayActorError:  # the run replaced one that started slowly
+            workers = []
+            time.sleep(0.05)
     seen = len(_metrics(run_dir))
     while len(_metrics(run_dir)) < seen + 2 and thread.is_alive():
         time.sleep(0.01)
