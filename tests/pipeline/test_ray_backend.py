@@ -303,7 +303,7 @@ def test_async_run_goes_on_while_workers_die_and_are_added(
             ray.get([worker.ready.remote() for worker in workers])
         except ValueError:  # not made yet
             time.sleep(0.05)
-        except ray.exceptions.RayActorError:  # the run replaced one that started slowly
+        except ray.exceptions.RayActorError:  # one died before it ran: ask for them again
             workers = []
             time.sleep(0.05)
     seen = len(_metrics(run_dir))
