@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from honing.errors import ConfigError
@@ -49,7 +49,6 @@ from honing.seeds import round_seed
 from honing.types import Rollout
 
 TOOL_WORKERS = 8  # tool calls running at once
-TOOL_KEYS = ("max_turns", "max_tool_calls", "tool_timeout_s", "tool_output_bytes", "tool_format")
 
 
 @dataclass
@@ -102,6 +101,10 @@ class ToolEngine(RolloutEngine):
     @weight_version.setter
     def weight_version(self, version: int) -> None:
         self.inner.weight_version = version
+
+    @property
+    def regenerated(self) -> int:  # the inner engine's (a server's failed requests)
+        return self.inner.regenerated
 
     def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
         self.inner.load_weights(version, weights)
@@ -278,10 +281,8 @@ def tool_record(rollout: Rollout, tokenizer) -> dict:
 def with_tools(engine: RolloutEngine, local: RolloutEngine, tokenizer, rollout) -> tuple:
     """``engine`` and the validation engine ``local`` generating multi-turn samples with the
     tools ``rollout`` (the ``rollout`` config) names; ``local`` once when it is ``engine``."""
-    settings = ToolSettings(
-        tools=tuple(rollout.tools),
-        **{key: getattr(rollout, key) for key in TOOL_KEYS},
-    )
+    keys = {f.name: getattr(rollout, f.name) for f in fields(ToolSettings)}  # the same names
+    settings = ToolSettings(**keys | {"tools": tuple(rollout.tools)})
     tools = build_tools(settings.tools)
     wrapped = ToolEngine(engine, tokenizer, settings, tools)
     if engine is local:
