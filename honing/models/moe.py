@@ -82,9 +82,13 @@ class Routers:
 
     def load_balancing_loss(self):
         """The family's own load-balancing loss (``load_balancing_loss_func`` of its modeling
-        module: Switch-Transformer style, top-k of the live router), or None."""
-        module = sys.modules.get(type(self.model).__module__)
-        return getattr(module, "load_balancing_loss_func", None)
+        module: Switch-Transformer style, top-k of the live router), or None. The module is
+        the model class's, or its base's where FSDP has made the model a subclass of it."""
+        for cls in type(self.model).__mro__:
+            found = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+            if found is not None:
+                return found
+        return None
 
     def mixing_of(self, number: int, *calls) -> Mixing | None:
         """The recipe of router ``number``, found on ``calls`` (its ``(logits, weights,

@@ -236,6 +236,17 @@ def test_the_load_balancing_loss_is_the_familys_own(family, batch):
     assert {"moe/load_violation/max", "moe/router_entropy"} <= metrics.keys()
 
 
+def test_the_load_balancing_loss_is_found_through_fsdps_subclass():
+    """FSDP2 makes a sharded model an instance of a class it creates elsewhere
+    (``FSDP<Model>``, a subclass of the model's): the loss is still the family's."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    model = moe_model("qwen3_moe", VOCAB, PAD)
+    model.__class__ = type(f"FSDP{type(model).__name__}", (type(model),), {"__module__": "x"})
+    found = routers_of(model).load_balancing_loss()
+    assert found is modeling_qwen3_moe.load_balancing_loss_func
+
+
 def test_load_violation_is_zero_when_balanced_and_experts_minus_one_when_not():
     balanced = {f"load/{e}": 5.0 for e in range(4)} | {"tokens/0": 10.0}
     skewed = {"load/0": 20.0, "tokens/0": 10.0}
