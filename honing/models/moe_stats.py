@@ -53,10 +53,19 @@ class RouterStats:
             self.matched[layer] += (same & known).sum()
             self.compared[layer] += known.sum()
 
+    FIELDS = ("load", "entropy", "tokens", "matched", "compared")
+
+    def include(self, other: RouterStats) -> None:
+        """Adds ``other``'s sums (of the same layers and slots) to these."""
+        for name in self.FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, theirs.clone() if mine is None else mine + theirs)
+
     def sums(self) -> dict[str, torch.Tensor]:
         """Flat named scalars (for a sum across processes); ``host_sums`` reads them."""
         out = {}
-        for name in ("load", "entropy", "tokens", "matched", "compared"):
+        for name in self.FIELDS:
             value = getattr(self, name)
             if value is not None:
                 for i, x in enumerate(value.reshape(-1)):

@@ -121,9 +121,10 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
 
 def _whole_plan(policy: TrainerEngine, recorded: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """The batch's [B, P + R, L, k] plan from a pass's record: the pass's own where it ran
-    the whole batch; under a sharded layout each rank recorded its rows (trimmed to their
-    longest response), gathered here as a rowwise result."""
-    if not policy.is_sharded:
+    the whole batch; where every rank takes part in the passes (sharded, or
+    sequence-parallel) each rank recorded its rows (trimmed to their longest response),
+    gathered here as a rowwise result."""
+    if not policy.passes_together:
         return recorded
     columns, layers, top_k = batch.input_ids.shape[1], *recorded.shape[2:]
     shape = (len(recorded), columns, layers, top_k)

@@ -251,10 +251,7 @@ def response_logprobs(
         if layout is None:
             tap.recorded = used.view(shape)
         else:
-            padded = used.new_full((shape[0] * shape[1], *shape[2:]), -1)
-            placed = layout.places >= 0
-            padded[placed] = used[layout.places[placed]]
-            tap.recorded = padded.view(shape)
+            tap.recorded = layout.to_batch(used, -1).view(shape)
     return out
 
 

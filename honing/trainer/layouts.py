@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 from honing.errors import ConfigError
-from honing.models.moe import routers_of
 from honing.trainer.batch import response_logprobs
 from honing.trainer.sequence_packed import shared_logprobs
 from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
@@ -167,11 +166,6 @@ def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
     if sequence == 1:
         return module
     key = f"trainer.sequence_parallel={sequence}"
-    if routers_of(module) is not None:
-        raise ConfigError(
-            f"{key} does not take a mixture-of-experts policy (its routers' statistics are "
-            "not gathered across the ranks sharing a sequence); set sequence_parallel=1"
-        )
     try:
         return use_ulysses(module, sequence)
     except ValueError as err:

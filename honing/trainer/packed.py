@@ -124,6 +124,14 @@ class PackedLayout:
             self._additive = bias.masked_fill_(~self.sees, float("-inf"))[:, :, None]
         return self._additive
 
+    def to_batch(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """Per-token ``values`` of the stream ([N, ...]) at the batch's positions:
+        [B * (P + R), ...], ``fill`` where no stream token runs."""
+        out = values.new_full((len(self.places), *values.shape[1:]), fill)
+        placed = self.places >= 0
+        out[placed] = values[self.places[placed]]
+        return out
+
 
 def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayout:
     """The flat layout of ``batch`` (a ``TrainBatch``); rows with identical prompt tokens share

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from honing.models.llama_block import norm_of, rms_norm, unwrap
+from honing.models.moe import routers_of
 from honing.trainer.packed import (
     PackedLayout,
     layout_of,
@@ -36,6 +37,7 @@ from honing.trainer.sequence_parallel import (
     to_heads,
     to_sequence,
 )
+from honing.trainer.sequence_routing import routed_pass
 
 
 class _SumOver(torch.autograd.Function):
@@ -107,10 +109,17 @@ def shared_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``response_logprobs``' pass with each row shared by the SP group: the packed forward
     where ``packed`` and the model takes it, else the model's own; ``options``: temperature,
-    with_entropy, entropy_grad. A router ``tap`` is refused: each rank's routers see a
-    slice."""
-    if tap is not None:
-        raise ValueError("a sequence-parallel pass takes no router tap: its ranks see a slice")
-    if packed and packed_supported(model) is True:
-        return packed_sequence_parallel_logprobs(model, batch, sp, **options)
-    return sequence_parallel_logprobs(model, batch, sp, **options)
+    with_entropy, entropy_grad. A mixture-of-experts model routes as ``batch`` plans, and
+    ``tap`` takes what the group's routers saw (``sequence_routing``)."""
+    packed = packed and packed_supported(model) is True
+
+    def run():
+        if packed:
+            return packed_sequence_parallel_logprobs(model, batch, sp, **options)
+        return sequence_parallel_logprobs(model, batch, sp, **options)
+
+    routers = routers_of(model)
+    if routers is None or (batch.replay is None and batch.rollout_routing is None and tap is None):
+        return run()
+    layout = layout_of(model, batch) if packed else None
+    return routed_pass(run, routers, batch, sp, layout, tap)
