@@ -2,8 +2,9 @@
 sequence, and what the routers give the trainer (the experts they used, the statistics, the
 router losses' logits) and what they take from it (a replayed plan, the rollout's choice to
 compare with) is one process's: the logprobs, the router losses, the summed gradients, the
-recorded experts and the statistics, on the model's own forward and the packed one, for
-Qwen3-MoE and DeepSeek-V3 (multi-head latent attention, group-limited routing).
+recorded experts and the statistics, on the model's own forward and the packed one, for the
+five families of ``tests/models/moe_models.py`` (DeepSeek-V3: multi-head latent attention,
+group-limited routing; Qwen2-MoE: a gated shared expert).
 
 Tolerance: float32 logprobs, losses and gradients as ``test_sequence_parallel.py`` (the
 ranks' matmuls run on other shapes; ~1e-6 relative). Routing decisions are integers, but a
@@ -33,6 +34,9 @@ CASES = (
     ("qwen3_moe", True, "record"),
     ("qwen3_moe", True, "replay"),
     ("deepseek_v3", False, "replay"),
+    ("mixtral", True, "record"),
+    ("qwen2_moe", False, "record"),
+    ("olmoe", False, "replay"),
 )
 
 
