@@ -328,8 +328,7 @@ def _ranks(config: Config, world_size: int) -> None:
 def _sequence_parallel(config: Config, world_size: int) -> None:
     """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
     come in whole groups of N; and what its logprob passes do not carry across the group
-    (the critic's value passes, LoRA's adapters switched off for the reference, the MTP
-    heads, the producer's passes) is refused. What the model must be (heads N divides,
+    (the critic's value passes, the MTP heads, the producer's passes) is refused. What the model must be (heads N divides,
     full causal attention, its family) is checked when it has loaded."""
     n = config.trainer.sequence_parallel
     if n == 1:
@@ -348,7 +347,6 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
     algo = config.algorithm
     for unsupported, what, why in (
         (algo.advantage == "gae", "algorithm.advantage=gae", "the critic's passes are not shared"),
-        (config.model.lora_rank, "model.lora_rank (LoRA)", "its reference pass is not shared"),
         (config.rollout.speculative == "mtp", "rollout.speculative=mtp", "heads train alone"),
         (config.schedule.mode != "sync", "schedule.mode", "the producer's passes run alone"),
     ):

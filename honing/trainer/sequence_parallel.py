@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from honing.models.llama_block import unwrap
 from honing.trainer.batch import HEAD_CHUNK_LOGITS, PLAIN_HEAD_MODEL_TYPES
 from honing.trainer.head import head_logprobs
 
@@ -246,7 +247,7 @@ def local_hidden(
     if attention_mask is not None:  # the end's padding needs no mask: causality hides it
         attention_mask = F.pad(attention_mask, (0, extra), value=1)
     start, stop = sp.bounds(length)
-    out = model.base_model(
+    out = unwrap(model).base_model(  # the decoder stack (inside a LoRA wrapper too)
         input_ids=F.pad(input_ids, (0, extra))[:, start:stop],
         position_ids=positions[:, start:stop],
         attention_mask=whole_mask(positions, attention_mask),

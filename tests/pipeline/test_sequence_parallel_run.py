@@ -3,6 +3,7 @@ every sequence (one data-parallel slot) through the whole loop (the reference's 
 update's passes, weight sync, checkpoints) and train the steps one process does."""
 
 import pytest
+import torch
 
 from .test_data_parallel_run import COMPARED, assert_same_moves, initial_weights, train
 
@@ -25,6 +26,30 @@ def test_two_ranks_sharing_each_sequence_train_the_steps_one_process_does(
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert_same_moves(two_weights, one_weights, initial_weights(micro_model_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_lora_adapters_train_with_ranks_sharing_each_sequence(
+    tmp_path, micro_model_dir, digit_reward, strategy
+):
+    """LoRA under SP: the adapters' update and the reference pass (the policy with its
+    adapters off, for the KL loss) shared by two ranks, the packed forward (replicated) and
+    the model's own inside the wrapper (FSDP), end where one process does."""
+    from .test_sharded_run import LORA, run
+
+    values = LORA | {"algorithm.kl_coef": 0.05}
+    args = (micro_model_dir, digit_reward)
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **values)
+    two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, strategy, **values | SEQUENCE_PARALLEL)
+    for a, b in zip(one, two, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one[1]["actor/kl_loss"] > 0  # the reference pass mattered
+    assert one_weights.keys() <= two_weights.keys()
+    for name, want in one_weights.items():
+        torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=0)
 
 
 R2 = {"algorithm.routing_replay": "R2", "trainer.ppo_epochs": 2}
