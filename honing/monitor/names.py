@@ -36,6 +36,7 @@ KNOWN = frozenset(
         "critic/kl",
         "critic/vf_loss",
         "critic/vf_clipfrac",
+        "critic/grad_norm",
         "critic/vf_explained_var",
         "critic/values/mean",
         "critic/returns/mean",

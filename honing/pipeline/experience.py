@@ -108,7 +108,7 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
             out["metrics"]["timing_s/ref"] = time.perf_counter() - started
         critic = parts.trainers.critic
         if wanted.values:
-            out["values"] = critic.forward_rows(critic.module, batch, width)
+            out["values"] = critic.forward_rows(critic.values, batch, width)
         if wanted.old:
             started = time.perf_counter()
             tap = RouterTap(record=True) if wanted.record_routing else None

@@ -327,9 +327,9 @@ def _ranks(config: Config, world_size: int) -> None:
 
 def _sequence_parallel(config: Config, world_size: int) -> None:
     """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
-    come in whole groups of N; and what its logprob passes do not carry across the group
-    (the critic's value passes, the MTP heads, the producer's passes) is refused. What the model must be (heads N divides,
-    full causal attention, its family) is checked when it has loaded."""
+    come in whole groups of N; and what does not run its passes across the group (the MTP
+    heads, the producer's passes) is refused. What the model must be (heads N divides, full
+    causal attention, its family) is checked when it has loaded."""
     n = config.trainer.sequence_parallel
     if n == 1:
         return
@@ -344,9 +344,7 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
             f"{key}: {world_size} torchrun ranks do not split into groups of {n}; launch a "
             f"multiple of {n} ranks"
         )
-    algo = config.algorithm
     for unsupported, what, why in (
-        (algo.advantage == "gae", "algorithm.advantage=gae", "the critic's passes are not shared"),
         (config.rollout.speculative == "mtp", "rollout.speculative=mtp", "heads train alone"),
         (config.schedule.mode != "sync", "schedule.mode", "the producer's passes run alone"),
     ):

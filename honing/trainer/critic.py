@@ -9,6 +9,8 @@ over micro-batches with mini-batch normalisers like the policy's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
 from honing.trainer.engine import TrainerEngine
 from honing.trainer.policy_update import UpdateSettings, mini_batches, row_tokens
+from honing.trainer.sequence_parallel import SequenceGroup, gather_sequence, local_hidden
 
 
 class ValueModel(nn.Module):
@@ -30,8 +33,23 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, batch: TrainBatch) -> torch.Tensor:
-        """Values of the response tokens' states: [B, R]."""
+    def forward(self, batch: TrainBatch, sequence: SequenceGroup | None = None) -> torch.Tensor:
+        """Values of the response tokens' states: [B, R]. With ``sequence`` (SP), every rank
+        of the group runs its share of each row and gets the whole [B, R]; every rank computes
+        the same loss from it, and the ranks' gradients sum to one process's
+        (``sequence_parallel``)."""
+        width = batch.responses.shape[1]
+        start = batch.prompt_width - 1
+        if sequence is not None:
+            hidden = local_hidden(
+                self.backbone,
+                sequence,
+                batch.input_ids,
+                batch.position_ids,
+                batch.attention_mask,
+            )  # [B, t, H]: this rank's slice of the rows
+            values = gather_sequence(self.head(hidden).squeeze(-1).float(), sequence)
+            return values[:, start : start + width]
         out = self.backbone(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -39,8 +57,6 @@ class ValueModel(nn.Module):
             use_cache=False,
             output_hidden_states=True,
         )
-        width = batch.responses.shape[1]
-        start = batch.prompt_width - 1
         hidden = out.hidden_states[-1][:, start : start + width]  # [B, R, H]
         return self.head(hidden).squeeze(-1).float()
 
@@ -62,7 +78,7 @@ def update_critic(
     critic = trainer.module
     critic.train()
     totals: dict[str, torch.Tensor] = {}
-    steps = 0
+    steps, norms = 0, []
     tokens = row_tokens(batch)  # [B]
     for index in mini_batches(len(batch), settings, generator):
         num_tokens = batch.response_mask[index].sum().clamp(min=1)
@@ -73,7 +89,7 @@ def update_critic(
         for micro_index, real in split:
             micro = batch.select(micro_index).masked_after(real)
             width = micro.responses.shape[1]
-            values = critic(micro)  # [b, R]
+            values = trainer.values(micro)  # [b, R]
             loss, metrics = clipped_value_loss(
                 values,
                 old_values[micro_index, :width],
@@ -88,12 +104,15 @@ def update_critic(
             totals["critic/vf_clipfrac"] = (
                 totals.get("critic/vf_clipfrac", 0) + metrics["critic/vf_clipfrac"] * share
             )
-        trainer.step(settings.grad_clip)
+        norm, stepped = trainer.step(settings.grad_clip)
+        if stepped:
+            norms.append(norm)
         steps += 1
     totals = trainer.reduce(totals)
     mask = batch.response_mask
     return {
         **{k: float(v) / steps for k, v in totals.items()},
+        "critic/grad_norm": float(torch.stack(norms).mean()) if norms else math.nan,
         "critic/vf_explained_var": float(explained_variance(old_values, returns, mask)),
         "critic/values/mean": float(masked_mean(old_values, mask)),
         "critic/returns/mean": float(masked_mean(returns, mask)),

@@ -79,6 +79,8 @@ class TrainerEngine(Protocol):
 
     def response_logprobs(self, model: nn.Module, batch, **options) -> tuple: ...
 
+    def values(self, batch) -> torch.Tensor: ...
+
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
     ) -> list[tuple[torch.Tensor, int]]: ...
@@ -263,6 +265,11 @@ class TrainedModule:
         """``batch.response_logprobs(model, batch, **options)`` as this module's passes run
         (``model``: the module, or its reference laid out alike)."""
         return self.layout.logprobs(model, batch, **options)
+
+    def values(self, batch) -> torch.Tensor:
+        """The module's (a critic's) values of ``batch``'s response tokens, [B, R], as its
+        passes run (under SP each row shared by the slot's ranks, the whole [B, R] on each)."""
+        return self.layout.values(self.module, batch)
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0

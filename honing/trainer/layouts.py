@@ -70,6 +70,13 @@ class Layout(ABC):
             return response_logprobs(model, batch, **options)
         return shared_logprobs(model, batch, self.sp, **options)
 
+    def values(self, module: nn.Module, batch) -> torch.Tensor:
+        """``module(batch)`` (a critic's values, [B, R]) as this layout runs it: under SP every
+        rank of the slot on the same rows, each its share of every sequence."""
+        if self.sp.world == 1:
+            return module(batch)
+        return module(batch, sequence=self.sp)
+
     def prepare(self, module: nn.Module) -> nn.Module:
         """The module laid out (sharded in place when the layout shards); before the
         optimizer is made."""
@@ -161,13 +168,14 @@ def sequence_slots(layout: Layout, sequence: int) -> None:
 
 
 def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
-    """``module`` with the Ulysses attention for ``sequence`` ranks (unchanged for 1); what it
-    refuses, as a ``ConfigError``."""
+    """``module`` with the Ulysses attention for ``sequence`` ranks (unchanged for 1): a causal
+    LM's, or its ``backbone``'s (a critic); what it refuses, as a ``ConfigError``."""
     if sequence == 1:
         return module
     key = f"trainer.sequence_parallel={sequence}"
     try:
-        return use_ulysses(module, sequence)
+        use_ulysses(getattr(module, "backbone", module), sequence)
+        return module
     except ValueError as err:
         raise ConfigError(f"{key}: {err}") from None
 

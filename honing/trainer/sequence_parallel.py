@@ -247,7 +247,8 @@ def local_hidden(
     if attention_mask is not None:  # the end's padding needs no mask: causality hides it
         attention_mask = F.pad(attention_mask, (0, extra), value=1)
     start, stop = sp.bounds(length)
-    out = unwrap(model).base_model(  # the decoder stack (inside a LoRA wrapper too)
+    decoder = unwrap(model).base_model  # the decoder stack (inside a LoRA wrapper too)
+    out = decoder(
         input_ids=F.pad(input_ids, (0, extra))[:, start:stop],
         position_ids=positions[:, start:stop],
         attention_mask=whole_mask(positions, attention_mask),
@@ -274,6 +275,12 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         start, stop = ctx.sp.bounds(grad.shape[1])
         return grad[:, start:stop], None
+
+
+def gather_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """The group's slices [B, t] of the padded rows -> the whole [B, N * t] on every rank.
+    Every rank computes the same loss from it: the backward keeps this rank's slice."""
+    return _Gather.apply(x, sp)
 
 
 def local_head(

@@ -5,7 +5,7 @@ update's passes, weight sync, checkpoints) and train the steps one process does.
 import pytest
 import torch
 
-from .test_data_parallel_run import COMPARED, assert_same_moves, initial_weights, train
+from .test_data_parallel_run import COMPARED, PPO, assert_same_moves, initial_weights, train
 
 SEQUENCE_PARALLEL = {"trainer.sequence_parallel": 2, "pipeline.spread_generation": False}
 
@@ -25,6 +25,28 @@ def test_two_ranks_sharing_each_sequence_train_the_steps_one_process_does(
         for key in COMPARED:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert_same_moves(two_weights, one_weights, initial_weights(micro_model_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_ppo_with_a_critic_trains_with_ranks_sharing_each_sequence(
+    tmp_path, micro_model_dir, digit_reward, strategy
+):
+    """algorithm.advantage=gae under SP: the critic's value pass and its fit run with each
+    sequence shared by two ranks; the values, advantages and both losses are one process's
+    (step 2's values are the critic fitted at step 1), and so are the policy's weights."""
+    from .test_sharded_run import run
+
+    args = (micro_model_dir, digit_reward)
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **PPO)
+    two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, strategy, **PPO | SEQUENCE_PARALLEL)
+    for a, b in zip(one, two, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in ("critic/values/mean", "critic/grad_norm", "critic/advantages/mean", *COMPARED):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one[1]["critic/vf_loss"] > 0 and one[1]["critic/values/mean"] != 0
     assert_same_moves(two_weights, one_weights, initial_weights(micro_model_dir))
 
 
