@@ -328,7 +328,7 @@ def _ranks(config: Config, world_size: int) -> None:
 def _sequence_parallel(config: Config, world_size: int) -> None:
     """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
     come in whole groups of N; and what does not run its passes across the group (the MTP
-    heads, the producer's passes) is refused. What the model must be (heads N divides, full
+    heads' training) is refused. What the model must be (heads N divides, full
     causal attention, its family) is checked when it has loaded."""
     n = config.trainer.sequence_parallel
     if n == 1:
@@ -346,7 +346,6 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
         )
     for unsupported, what, why in (
         (config.rollout.speculative == "mtp", "rollout.speculative=mtp", "heads train alone"),
-        (config.schedule.mode != "sync", "schedule.mode", "the producer's passes run alone"),
     ):
         if unsupported:
             raise ConfigError(f"{key} does not take {what} ({why}); set sequence_parallel=1")

@@ -29,6 +29,31 @@ def test_two_ranks_sharing_each_sequence_train_the_steps_one_process_does(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one_step", "async"])
+def test_the_schedules_that_generate_ahead_train_with_ranks_sharing_each_sequence(
+    tmp_path, micro_model_dir, digit_reward, mode
+):
+    """Rank 0's producer generates ahead with its own copy of the policy (plain attention:
+    the Ulysses attention runs only where a pass gives it the group) while both ranks train.
+    one_step trains on what one process does (each batch from the weights one step
+    behind); async's batches depend on how far the producer ran ahead, so only its first
+    step (from the first weights) is compared, and its steps are all there."""
+    from .test_sharded_run import run
+
+    values = {"schedule.mode": mode, "algorithm.kl_coef": 0.05}
+    args = (micro_model_dir, digit_reward)
+    one, _, _ = run(tmp_path, "one", *args, 1, 3, strategy="replicate", **values)
+    two, _, _ = run(tmp_path, "two", *args, 2, 3, "replicate", **values | SEQUENCE_PARALLEL)
+    assert [m["step"] for m in two] == [1, 2, 3]
+    for a, b in zip(one, two if mode == "one_step" else two[:1], strict=False):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in ("rollout_mismatch/kl", *COMPARED):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one[1]["rollout_mismatch/kl"] > 0  # the engine sampled with older weights
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
 def test_ppo_with_a_critic_trains_with_ranks_sharing_each_sequence(
     tmp_path, micro_model_dir, digit_reward, strategy
