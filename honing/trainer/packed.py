@@ -94,8 +94,14 @@ class PackedLayout:
         sees: [U + B, 1, Q, Pm + Rm] which keys a query attends to: causal, real keys only;
             a padding query sees key 0 (no empty softmax; its output is dropped). Boolean,
             as scaled_dot_product_attention takes it; ``additive`` makes the 0 / -inf form.
+            None when ``causal``.
+        causal: no two rows share a prompt, so each row is one block of its own (its prompt,
+            then its response inputs, padded at the end) in which plain causal attention
+            is exact: real queries come first and never see the padding after them. No mask
+            is made (a long row's [T, T] mask would outweigh its activations) and no padded
+            prompt block is run.
         dtype: the model's dtype (of the additive form).
-        unpad: [N] where each flat token's attention output sits in the [U + B, Q] block.
+        unpad: [N] where each flat token's attention output sits in the flattened blocks.
         predictors: [T] the flat token whose hidden state predicts each real response token
             (row-major, as ``response_mask`` orders them).
         sources: [N] where each flat token sits in the flattened [B * (P + R)] batch (the
@@ -109,19 +115,26 @@ class PackedLayout:
     positions: torch.Tensor
     query_slots: torch.Tensor
     key_slots: torch.Tensor
-    sees: torch.Tensor
+    sees: torch.Tensor | None
     dtype: torch.dtype
     unpad: torch.Tensor
     predictors: torch.Tensor
     sources: torch.Tensor
     places: torch.Tensor
+    causal: bool = False
     _additive: torch.Tensor | None = None
 
     def additive(self) -> torch.Tensor:
-        """``sees`` as 0 / -inf in the model dtype, [U + B, 1, 1, Q, K] (made once)."""
+        """``sees`` as 0 / -inf in the model dtype, [U + B, 1, 1, Q, K] (made once; [1, 1, 1,
+        Q, K] when ``causal``)."""
         if self._additive is None:
-            bias = torch.zeros(self.sees.shape, dtype=self.dtype, device=self.sees.device)
-            self._additive = bias.masked_fill_(~self.sees, float("-inf"))[:, :, None]
+            sees = self.sees
+            if sees is None:
+                queries, keys = self.query_slots.shape[1], self.key_slots.shape[1]
+                sees = torch.ones(queries, keys, dtype=torch.bool).tril()[None, None]
+                sees = sees.to(self.ids.device)
+            bias = torch.zeros(sees.shape, dtype=self.dtype, device=sees.device)
+            self._additive = bias.masked_fill_(~sees, float("-inf"))[:, :, None]
         return self._additive
 
     def to_batch(self, values: torch.Tensor, fill) -> torch.Tensor:
@@ -137,6 +150,8 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     """The flat layout of ``batch`` (a ``TrainBatch``); rows with identical prompt tokens share
     one copy of the prompt."""
     stream = _Stream.of(batch)
+    if len(stream.prompt_lens) == len(stream.group):  # no prompt shared: a block per row
+        return _causal_layout(stream, device, dtype)
     prompt_index, prompt_real = _padded(stream.prompt_starts, stream.prompt_lens)  # [U, Pm]
     response_index, response_real = _padded(stream.response_starts, stream.response_lens)
     group = torch.tensor(stream.group)  # [B] each row's distinct prompt
@@ -190,6 +205,39 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
         predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
         sources=torch.tensor(stream.sources, dtype=torch.long, **to),
         places=torch.tensor(stream.places, dtype=torch.long, **to),
+    )
+
+
+def _causal_layout(stream: _Stream, device: torch.device, dtype: torch.dtype) -> PackedLayout:
+    """The layout of a stream whose rows each have a prompt of their own: row b's block is its
+    prompt then its response inputs, padded at the end (``PackedLayout.causal``)."""
+    rows = []
+    for row, unit in enumerate(stream.group):
+        prompt, response = stream.prompt_starts[unit], stream.response_starts[row]
+        rows.append(
+            [
+                *range(prompt, prompt + stream.prompt_lens[unit]),
+                *range(response, response + stream.response_lens[row]),
+            ]
+        )
+    width = max(map(len, rows), default=0)
+    index = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long)
+    real = torch.arange(width)[None, :] < torch.tensor([len(row) for row in rows])[:, None]
+    unpad = torch.empty(len(stream.ids), dtype=torch.long)  # each flat token's block slot
+    unpad[index[real]] = real.flatten().nonzero().squeeze(1)
+    to = {"device": device}
+    return PackedLayout(
+        ids=torch.tensor(stream.ids, dtype=torch.long, **to),
+        positions=torch.tensor(stream.positions, dtype=torch.long, **to),
+        query_slots=index.to(**to),
+        key_slots=index.to(**to),
+        sees=None,
+        dtype=dtype,
+        unpad=unpad.to(**to),
+        predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
+        sources=torch.tensor(stream.sources, dtype=torch.long, **to),
+        places=torch.tensor(stream.places, dtype=torch.long, **to),
+        causal=True,
     )
 
 
@@ -373,7 +421,8 @@ def _block(q, k, v, layout: PackedLayout, scaling: float) -> torch.Tensor:
             v.transpose(1, 2),
             # [n, 1, T, S], additive, made once: a boolean mask would be turned into a float
             # one by every layer's call, and each kept for its backward pass
-            attn_mask=layout.additive()[:, :, 0],
+            attn_mask=None if layout.causal else layout.additive()[:, :, 0],
+            is_causal=layout.causal,
             scale=scaling,
             enable_gqa=heads != kv_heads,
         )  # [n, H, T, D]

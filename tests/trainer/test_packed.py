@@ -48,13 +48,17 @@ def model(request, micro_model_dir):
     return qwen2(tokenizer)  # q/k/v biases, grouped-query attention, non-trivial norms
 
 
-def grpo_like_batch(vocab: int, pad: int):
+def grpo_like_batch(vocab: int, pad: int, shared: bool = True):
+    """``shared``: a group's rows share its prompt; else each row's prompt ends in a token of
+    its own (the causal layout: a block per row)."""
     generator = torch.Generator().manual_seed(1)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     lengths = [[4, 0, 7, 1], [3, 3, 6], [5, 2]]  # an empty and a one-token completion
     rollouts = []
     for index, (prompt, group) in enumerate(zip(prompts, lengths, strict=True)):
         for member, length in enumerate(group):
+            if not shared:
+                prompt = [*prompt[: 1 + member], 20 + member]
             response = torch.randint(3, vocab, (length,), generator=generator).tolist()
             rollouts.append(
                 Rollout(
@@ -72,12 +76,28 @@ def grpo_like_batch(vocab: int, pad: int):
     return collate([rollouts[i] for i in order], pad_id=pad, device=CPU)
 
 
-@pytest.fixture(scope="module")
-def batch(model):
-    return grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0)
+@pytest.fixture(scope="module", params=["shared", "own"])
+def batch(model, request):
+    """Rows that share their group's prompt, or each its own prompt (the causal layout)."""
+    shared = request.param == "shared"
+    return grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0, shared)
 
 
-def test_the_layout_runs_each_prompt_once_and_no_padding(batch):
+def test_rows_with_prompts_of_their_own_run_as_causal_blocks(model):
+    """No [T, T] mask and no padded prompt block: one block per row, its prompt then its
+    response inputs, as long as the longest row."""
+    batch = grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0, False)
+    layout = packed_layout(batch, CPU, torch.float32)
+    lengths = (batch.attention_mask.sum(-1) - (batch.response_real.sum(-1) > 0).long()).tolist()
+    assert layout.causal and layout.sees is None
+    assert layout.query_slots.shape == (len(batch), max(lengths))
+    assert layout.ids.numel() == layout.unpad.numel() == sum(lengths)
+    shared = grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0)
+    assert not packed_layout(shared, CPU, torch.float32).causal
+
+
+def test_the_layout_runs_each_prompt_once_and_no_padding(model):
+    batch = grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0)
     layout = packed_layout(batch, CPU, torch.float32)
     distinct_prompts = 5 + 2 + 3
     response_inputs = sum(max(n - 1, 0) for n in [4, 0, 7, 1, 3, 3, 6, 5, 2])
