@@ -193,18 +193,13 @@ def packed_layout(batch, device: torch.device, dtype: torch.dtype) -> PackedLayo
     )
     sees = torch.cat([sees_prompt, sees_response])  # [U + B, Q, Pm + Rm]
     sees[..., 0] |= ~query_real  # a padding query reads key 0: no empty softmax
-    to = {"device": device}
     return PackedLayout(
-        ids=torch.tensor(stream.ids, dtype=torch.long, **to),
-        positions=torch.tensor(stream.positions, dtype=torch.long, **to),
-        query_slots=query_index.to(**to),
-        key_slots=key_index.to(**to),
-        sees=sees[:, None].to(**to),
+        query_slots=query_index.to(device),
+        key_slots=key_index.to(device),
+        sees=sees[:, None].to(device),
         dtype=dtype,
-        unpad=query_real.flatten().nonzero().squeeze(1).to(**to),
-        predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
-        sources=torch.tensor(stream.sources, dtype=torch.long, **to),
-        places=torch.tensor(stream.places, dtype=torch.long, **to),
+        unpad=query_real.flatten().nonzero().squeeze(1).to(device),
+        **stream.tensors(device),
     )
 
 
@@ -225,19 +220,14 @@ def _causal_layout(stream: _Stream, device: torch.device, dtype: torch.dtype) ->
     real = torch.arange(width)[None, :] < torch.tensor([len(row) for row in rows])[:, None]
     unpad = torch.empty(len(stream.ids), dtype=torch.long)  # each flat token's block slot
     unpad[index[real]] = real.flatten().nonzero().squeeze(1)
-    to = {"device": device}
     return PackedLayout(
-        ids=torch.tensor(stream.ids, dtype=torch.long, **to),
-        positions=torch.tensor(stream.positions, dtype=torch.long, **to),
-        query_slots=index.to(**to),
-        key_slots=index.to(**to),
+        query_slots=index.to(device),
+        key_slots=index.to(device),
         sees=None,
         dtype=dtype,
-        unpad=unpad.to(**to),
-        predictors=torch.tensor(stream.predictors, dtype=torch.long, **to),
-        sources=torch.tensor(stream.sources, dtype=torch.long, **to),
-        places=torch.tensor(stream.places, dtype=torch.long, **to),
+        unpad=unpad.to(device),
         causal=True,
+        **stream.tensors(device),
     )
 
 
@@ -302,6 +292,14 @@ class _Stream:
                 last = stream.prompt_starts[unit] + prompt_len - 1
                 stream.predictors += [last, *range(start, start + len(inputs))]
         return stream
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The per-token lists every layout of the stream holds, as tensors on ``device``."""
+        names = ("ids", "positions", "predictors", "sources", "places")
+        return {
+            name: torch.tensor(getattr(self, name), dtype=torch.long, device=device)
+            for name in names
+        }
 
 
 def _padded(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
