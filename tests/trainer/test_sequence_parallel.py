@@ -11,12 +11,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from honing.algorithms import logprobs_from_logits
-from honing.services.process import free_port
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.memory import saved_bytes
 from honing.trainer.sequence_packed import packed_sequence_parallel_logprobs
@@ -29,6 +26,7 @@ from honing.trainer.sequence_parallel import (
 )
 from honing.types import Rollout
 from tests.models.moe_models import moe_model
+from tests.trainer.sp_ranks import on_ranks
 
 WORLD = 2
 VOCAB = 64
@@ -172,25 +170,15 @@ def _long_saved_bytes(sp: SequenceGroup) -> int:
 CASES = ("batch", "packed", "checkpointing", "moe", "stream")
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        sp = SequenceGroup.of()
-        results = {case: _sp_case(case, sp) for case in CASES}
-        results["saved_bytes"] = _long_saved_bytes(sp)
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _all_cases(sp: SequenceGroup) -> dict:
+    results = {case: _sp_case(case, sp) for case in CASES}
+    results["saved_bytes"] = _long_saved_bytes(sp)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = str(tmp_path_factory.mktemp("sp") / "rank")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
-    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    return on_ranks(_all_cases, str(tmp_path_factory.mktemp("sp") / "rank"), WORLD)
 
 
 @pytest.mark.slow  # gloo ranks spawned, each importing torch

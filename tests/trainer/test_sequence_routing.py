@@ -13,16 +13,14 @@ the decisions may differ (a misplaced or misordered gather differs in most of th
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from honing.models.moe import routers_of
 from honing.models.moe_stats import RouterStats, router_z_loss
-from honing.services.process import free_port
 from honing.trainer.batch import RouterTap, response_logprobs
 from honing.trainer.sequence_packed import shared_logprobs
 from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
 from tests.models.moe_models import moe_model
+from tests.trainer.sp_ranks import on_ranks
 
 from .test_sequence_parallel import PAD, VOCAB, _batch, _batch_loss, _grads
 
@@ -83,23 +81,13 @@ def _case(family: str, packed: bool, plans: str, sp: SequenceGroup | None) -> di
     }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        sp = SequenceGroup.of()
-        torch.save({case: _case(*case, sp) for case in CASES}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _all_cases(sp: SequenceGroup) -> dict:
+    return {case: _case(*case, sp) for case in CASES}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = str(tmp_path_factory.mktemp("sp_moe") / "rank")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
-    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    return on_ranks(_all_cases, str(tmp_path_factory.mktemp("sp_moe") / "rank"), WORLD)
 
 
 def _differing(got: torch.Tensor, want: torch.Tensor) -> float:
