@@ -27,7 +27,14 @@ from .test_policy_update import make_experience, settings_for
 CPU = torch.device("cpu")
 WORLD = 2
 LENGTHS = [40, 2, 3, 1, 20, 4, 2, 5, 1, 3, 2, 6]  # the micro model takes 64 positions
-CASES = (("replicate", True), ("replicate", False), ("fsdp", False))
+# (strategy, packed forward, trainer.max_tokens_per_micro): the budget counts a micro-batch's
+# whole rows, which the slot's ranks share
+CASES = (
+    ("replicate", True, 0),
+    ("replicate", False, 0),
+    ("fsdp", False, 0),
+    ("replicate", True, 64),
+)
 
 
 def _policy(model_dir: str, strategy: str, group, sequence: int = 1) -> TrainedModule:
@@ -42,13 +49,18 @@ def _policy(model_dir: str, strategy: str, group, sequence: int = 1) -> TrainedM
     return TrainedModule.laid_out("policy", model, layout, optimizer, serves_generation=True)
 
 
-def _update(model_dir: str, strategy: str, packed: bool, group, sequence: int = 1) -> dict:
-    """One update of a fresh policy (micro-batches of 4 rows: 3 per step) and a pass without
-    gradient before it; the whole weights, metrics and old logprobs."""
+def _update(
+    model_dir: str, strategy: str, packed: bool, budget: int, group, sequence: int = 1
+) -> dict:
+    """One update of a fresh policy (micro-batches of 4 rows: 3 per step, or by a token
+    ``budget``) and a pass without gradient before it; the whole weights, metrics and old
+    logprobs."""
     policy = _policy(model_dir, strategy, group, sequence)
     plain = _policy(model_dir, strategy, None).module  # the experience, alike everywhere
     batch, advantages, old, ref = make_experience(plain, LENGTHS)
-    settings = dataclasses.replace(settings_for("token_mean", 4), packed=packed)
+    settings = dataclasses.replace(
+        settings_for("token_mean", 4), packed=packed, max_tokens_per_micro=budget
+    )
     with torch.no_grad():
         passed = policy.forward_rows(
             lambda rows: policy.response_logprobs(policy.module, rows, packed=packed)[0],
@@ -75,21 +87,24 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
 @pytest.mark.slow  # gloo ranks spawned, each importing torch
 def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_dir, tmp_path):
     model_dir = str(micro_model_dir)
-    alone = {packed: _update(model_dir, "replicate", packed, None) for packed in (True, False)}
+    alone = {
+        (packed, budget): _update(model_dir, "replicate", packed, budget, None)
+        for _, packed, budget in CASES
+    }
     out = str(tmp_path / "rank")
     mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
     ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
     whole = _policy(model_dir, "replicate", None).module.parameters()
     weights_mb = {"replicate": 0.0, "fsdp": sum(p.numel() * 4 for p in whole) / 2**20}
-    for strategy, packed in CASES:
-        want = alone[packed]
+    for strategy, packed, budget in CASES:
+        want = alone[packed, budget]
         moved = max(
             float((want["weights"][n] - t).abs().max())
             for n, t in _policy(model_dir, "replicate", None).module.state_dict().items()
         )
         assert moved > 1e-4  # the step moved the weights: their equality says something
         for found in ranks:
-            got = found[strategy, packed]
+            got = found[strategy, packed, budget]
             real = want["mask"]  # the model's own forward leaves padding's logprobs in
             torch.testing.assert_close(got["old"] * real, want["old"] * real, atol=1e-5, rtol=0)
             for name, tensor in got["weights"].items():  # FSDP gives a tied head once
@@ -98,8 +113,9 @@ def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_
                 if name.startswith("memory/"):  # per rank: below
                     continue
                 assert got["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
-            # one slot: every rank ran all 3 micro-batches, the slot's mean is all tokens
-            assert got["metrics"]["perf/micro_batches"] == 3
+            # one slot: every rank ran all the micro-batches (3 of 4 rows; 4 under the
+            # budget), the slot's mean is all tokens
+            assert got["metrics"]["perf/micro_batches"] == (4 if budget else 3)
             assert got["metrics"]["perf/token_imbalance"] == 1.0
             # What a rank's forward keeps for backward is about half one process's: every
             # per-token activation is split, attention's exchanged q/k/v are the whole
