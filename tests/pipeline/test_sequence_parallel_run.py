@@ -29,6 +29,28 @@ def test_two_ranks_sharing_each_sequence_train_the_steps_one_process_does(
 
 
 @pytest.mark.slow
+def test_four_fsdp_ranks_in_two_slots_train_with_activation_checkpointing(
+    tmp_path, micro_model_dir, digit_reward
+):
+    """FSDP shards over all four ranks while each pair shares its slot's sequences, and the
+    layers recompute their activations in the backward pass (the model's own forward, the
+    Ulysses attention run again): the steps one process trains."""
+    from .test_sharded_run import run
+
+    values = {"model.gradient_checkpointing": True, "algorithm.kl_coef": 0.05}
+    args = (micro_model_dir, digit_reward)
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **values)
+    four, four_weights, _ = run(tmp_path, "four", *args, 4, 2, "fsdp", **values | SEQUENCE_PARALLEL)
+    for a, b in zip(one, four, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in COMPARED:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert four[0]["dist/world_size"] == 4
+    assert_same_moves(four_weights, one_weights, initial_weights(micro_model_dir))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["one_step", "async"])
 def test_the_schedules_that_generate_ahead_train_with_ranks_sharing_each_sequence(
     tmp_path, micro_model_dir, digit_reward, mode
