@@ -1,4 +1,5 @@
-"""The shipped examples stay valid: every config resolves, the GSM8K converter's rows load."""
+"""The shipped examples stay valid: every config resolves and passes the run's cross-field
+rules (at the torchrun world size it is written for), the GSM8K converter's rows load."""
 
 import json
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 
 from honing.config import resolve_config
 from honing.data import load_prompts
+from honing.pipeline.rules import check_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -17,6 +19,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_example_config_resolves(path):
     config = resolve_config(str(path), [], environ={})
     assert config.trainer.total_steps > 0
+    ranks = 4 if config.trainer.sequence_parallel > 1 else 1  # as its comment launches it
+    check_config(config, ranks)
 
 
 def test_gsm8k_converter_output_is_valid_row_schema(tmp_path):
