@@ -181,8 +181,11 @@ def test_greedy_generation_is_token_identical_on_both_paths(family):
         assert torch.equal(a.routed_experts, b.routed_experts)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "own-prompts"])
 @pytest.mark.parametrize("family", FAST)
-def test_packed_logprobs_and_gradients_match_the_models_own_forward(family, batch):
+def test_packed_logprobs_and_gradients_match_the_models_own_forward(family, shared):
+    """Both packed layouts: groups sharing their prompt, and a causal block per row."""
+    batch = grpo_like_batch(VOCAB, PAD, shared)
     model = moe_model(family, VOCAB, PAD).train()
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
 
