@@ -130,13 +130,14 @@ ROUTER_LOSSES = {"algorithm.router_aux_coef": 0.01, "algorithm.router_z_coef": 0
     "strategy, ranks, values",
     [
         ("replicate", 2, R2 | ROUTER_LOSSES),
+        ("replicate", 2, {"algorithm.routing_replay": "R3", "trainer.ppo_epochs": 2}),
         ("fsdp", 2, R2 | ROUTER_LOSSES | {"trainer.packed_forward": False}),
         # two slots: their micro-batches are not one process's, and what depends on the split
         # (the router losses of each micro-batch, the packed stream's prompts counted once
         # per micro-batch) differs as under data parallelism without SP
         ("replicate", 4, R2 | {"trainer.packed_forward": False}),
     ],
-    ids=["replicate-2", "fsdp-2", "replicate-4"],
+    ids=["replicate-2", "replicate-2-R3", "fsdp-2", "replicate-4"],
 )
 def test_an_moe_policy_replays_its_routing_with_ranks_sharing_each_sequence(
     tmp_path, moe_dirs, digit_reward, strategy, ranks, values
@@ -145,7 +146,8 @@ def test_an_moe_policy_replays_its_routing_with_ranks_sharing_each_sequence(
     (two; four ranks are two data-parallel slots of two) record the old pass's experts, the
     slots' records are gathered and replayed in both PPO epochs, and the router losses and
     statistics are over every token, as one process's. (FSDP's ranks run the model's own
-    forward: the one process does too.)"""
+    forward: the one process does too.) Under R3 each rank replays its slice of the
+    rollout's experts."""
     from .test_sharded_run import run
 
     args = (moe_dirs["qwen3_moe"], digit_reward)
