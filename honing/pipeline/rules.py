@@ -327,9 +327,8 @@ def _ranks(config: Config, world_size: int) -> None:
 
 def _sequence_parallel(config: Config, world_size: int) -> None:
     """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
-    come in whole groups of N; and what does not run its passes across the group (the MTP
-    heads' training) is refused. What the model must be (heads N divides, full
-    causal attention, its family) is checked when it has loaded."""
+    come in whole groups of N. What the model must be (heads N divides, full causal
+    attention, its family) is checked when it has loaded."""
     n = config.trainer.sequence_parallel
     if n == 1:
         return
@@ -344,11 +343,6 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
             f"{key}: {world_size} torchrun ranks do not split into groups of {n}; launch a "
             f"multiple of {n} ranks"
         )
-    for unsupported, what, why in (
-        (config.rollout.speculative == "mtp", "rollout.speculative=mtp", "heads train alone"),
-    ):
-        if unsupported:
-            raise ConfigError(f"{key} does not take {what} ({why}); set sequence_parallel=1")
 
 
 def _backend(config: Config, world_size: int) -> None:

@@ -51,6 +51,31 @@ def test_four_fsdp_ranks_in_two_slots_train_with_activation_checkpointing(
 
 
 @pytest.mark.slow
+def test_mtp_heads_learn_beside_ranks_sharing_each_sequence(
+    tmp_path, micro_model_dir, digit_reward
+):
+    """rollout.speculative=mtp: rank 0's engine drafts with the heads and trains them on the
+    updated policy's hidden states (its whole copy, plain attention), as one process does."""
+    from .test_sharded_run import run
+
+    values = {
+        "rollout.speculative": "mtp",
+        "rollout.spec_tokens": 2,
+        "rollout.spec_min_accept": 0.0,
+        "rollout.mtp_lr": 1e-2,
+    }
+    args = (micro_model_dir, digit_reward)
+    one, _, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **values)
+    two, _, _ = run(tmp_path, "two", *args, 2, 2, "replicate", **values | SEQUENCE_PARALLEL)
+    for a, b in zip(one, two, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in ("mtp/loss", "mtp/accuracy", *COMPARED):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one[1]["mtp/loss"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["one_step", "async"])
 def test_the_schedules_that_generate_ahead_train_with_ranks_sharing_each_sequence(
     tmp_path, micro_model_dir, digit_reward, mode

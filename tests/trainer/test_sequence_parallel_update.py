@@ -151,7 +151,6 @@ def test_sequence_parallel_is_refused_where_it_cannot_run():
 
     assert "needs torchrun ranks" in refused({}, 1)
     assert "3 torchrun ranks do not split into groups of 2" in refused({}, 3)
-    assert "rollout.speculative=mtp" in refused({"rollout.speculative": "mtp"}, 2)
     check_config(build_config({"trainer.sequence_parallel": 2}), 4)  # 2 slots of 2 ranks
     with pytest.raises(ConfigError, match="sequence_parallel: 0 is out of range"):
         build_config({"trainer.sequence_parallel": 0})
