@@ -2,7 +2,9 @@
 
 ``extract_answer`` takes, in order: the last ``\\boxed{..}`` / ``\\fbox{..}`` (nested braces),
 the last ``#### ..`` line, the text after the last "final answer" / "the answer is", a short
-one-line response that is itself an answer, and (``last_number_fallback``) the last number.
+one-line response that is itself an answer, and (``last_number_fallback``) the last number,
+all in what follows the last tool response (``</tool_response>``: a multi-turn response's
+tool output is in its text, and the answer is the model's, as ``numeric`` reads it).
 ``normalize_answer`` removes what a grader ignores: ``$`` delimiters, ``\\left``/``\\right``,
 spacing macros, ``\\dfrac``/``\\tfrac`` (read as ``\\frac``), ``\\text{..}`` wrappers, units
 after a number (``\\text{ cm}``, ``5 dollars``, ``90^\\circ``, ``\\$``), thousands separators,
@@ -24,6 +26,7 @@ from honing.rewards import math_expr
 from honing.rewards.math_equivalence import fast_check
 from honing.rewards.math_exact import Unsupported
 from honing.rewards.math_pool import Job, MathPool
+from honing.rewards.numeric import TOOL_RESPONSE_END
 
 MAX_REPORTED_CHARS = 200  # of the extracted answer in a result (results travel over HTTP)
 
@@ -54,6 +57,7 @@ _UNICODE = {"π": "\\pi", "×": "\\times", "·": "\\cdot", "−": "-", "√": "\
 
 def extract_answer(text: str, *, last_number_fallback: bool = True) -> str | None:
     """The final answer in ``text`` as written, or ``None`` (order in the module docstring)."""
+    text = text.rpartition(TOOL_RESPONSE_END)[2]
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed

@@ -1,9 +1,10 @@
-"""The numeric reward on a multi-turn response: the answer is what the model wrote after the
-last tool response, never the tool's output (which is in ``Rollout.text``)."""
+"""The numeric and math rewards on a multi-turn response: the answer is what the model wrote
+after the last tool response, never the tool's output (which is in ``Rollout.text``)."""
 
 import pytest
 
 from honing.models.tiny import build_tokenizer
+from honing.rewards.math_verifier import extract_answer
 from honing.rewards.numeric import TOOL_RESPONSE_END, numeric_reward
 from honing.rollout.tool_calls import FALLBACK_RESPONSE, ToolResponses, ToolResult
 
@@ -38,6 +39,19 @@ def response_text(tool_output: str, answer: str) -> str:
 def test_the_answer_is_what_follows_the_last_tool_response(tool_output, answer, score, verdict):
     result = numeric_reward(response_text(tool_output, answer), "97633351")
     assert (result["score"], result["verdict"]) == (score, verdict)
+
+
+@pytest.mark.parametrize(
+    ("tool_output", "answer", "extracted"),
+    [
+        ("97633351", "97633351", "97633351"),
+        ("97633351", "", None),  # stopped after the response: the tool's number is not it
+        ("\\boxed{97633351}", "97633350", "97633350"),  # a box in the tool's output
+        ("#### 12", "so 7", "7"),
+    ],
+)
+def test_the_math_reward_reads_what_follows_the_last_tool_response(tool_output, answer, extracted):
+    assert extract_answer(response_text(tool_output, answer)) == extracted
 
 
 def test_the_marker_closes_the_rendered_tool_response():
