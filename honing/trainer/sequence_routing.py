@@ -86,7 +86,9 @@ def routed_pass(
     or the model's own where it is None) with ``routers`` routing as ``batch`` plans, what
     ``tap`` asks for made whole over the group."""
     tap = tap or RouterTap()
-    tokens = RankTokens.of_stream(layout, sp) if layout else RankTokens.of_rows(batch, sp)
+    tokens = (
+        RankTokens.of_stream(layout, sp) if layout is not None else RankTokens.of_rows(batch, sp)
+    )
     stats = RouterStats() if tap.stats is not None else None
     session = routers.session(
         replay=tokens.plan(batch.replay),
