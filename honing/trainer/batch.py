@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from honing.algorithms import entropy_from_logits, logprobs_from_logits
-from honing.models.moe import routers_of
+from honing.models.moe import Routers, routers_of
 from honing.models.moe_stats import RouterStats
 from honing.trainer.head import head_logprobs
 from honing.trainer.packed import (
@@ -218,8 +218,8 @@ def response_logprobs(
     ``tap`` takes what the pass's routers saw (``RouterTap``).
     """
     packed = packed and packed_supported(model) is True
-    routers = routers_of(model)
-    if routers is None or (batch.replay is None and batch.rollout_routing is None and tap is None):
+    routers = routed(model, batch, tap)
+    if routers is None:
         return _response_logprobs(model, batch, temperature, with_entropy, entropy_grad, packed)
     tap = tap or RouterTap()
     layout = layout_of(model, batch) if packed else None
@@ -253,6 +253,15 @@ def response_logprobs(
         else:
             tap.recorded = layout.to_batch(used, -1).view(shape)
     return out
+
+
+def routed(model, batch: TrainBatch, tap: RouterTap | None) -> Routers | None:
+    """``model``'s routers where a logprob pass of ``batch`` must hook them (a plan to
+    replay or compare with, or a ``tap``); None where the pass runs as a dense model's."""
+    routers = routers_of(model)
+    if routers is None or (batch.replay is None and batch.rollout_routing is None and tap is None):
+        return None
+    return routers
 
 
 def _response_logprobs(model, batch, temperature, with_entropy, entropy_grad, packed):

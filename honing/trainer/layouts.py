@@ -172,12 +172,11 @@ def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
     LM's, or its ``backbone``'s (a critic); what it refuses, as a ``ConfigError``."""
     if sequence == 1:
         return module
-    key = f"trainer.sequence_parallel={sequence}"
     try:
         use_ulysses(getattr(module, "backbone", module), sequence)
-        return module
     except ValueError as err:
-        raise ConfigError(f"{key}: {err}") from None
+        raise ConfigError(f"trainer.sequence_parallel={sequence}: {err}") from None
+    return module
 
 
 def rowwise_by_slots(layout: Layout, compute: Callable, batch, width: int) -> torch.Tensor:

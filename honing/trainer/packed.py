@@ -131,8 +131,8 @@ class PackedLayout:
             sees = self.sees
             if sees is None:
                 queries, keys = self.query_slots.shape[1], self.key_slots.shape[1]
-                sees = torch.ones(queries, keys, dtype=torch.bool).tril()[None, None]
-                sees = sees.to(self.ids.device)
+                sees = torch.ones(queries, keys, dtype=torch.bool, device=self.ids.device)
+                sees = sees.tril()[None, None]
             bias = torch.zeros(sees.shape, dtype=self.dtype, device=sees.device)
             self._additive = bias.masked_fill_(~sees, float("-inf"))[:, :, None]
         return self._additive

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from honing.models.llama_block import norm_of, rms_norm, unwrap
-from honing.models.moe import routers_of
+from honing.trainer.batch import routed
 from honing.trainer.packed import (
     PackedLayout,
     layout_of,
@@ -118,8 +118,8 @@ def shared_logprobs(
             return packed_sequence_parallel_logprobs(model, batch, sp, **options)
         return sequence_parallel_logprobs(model, batch, sp, **options)
 
-    routers = routers_of(model)
-    if routers is None or (batch.replay is None and batch.rollout_routing is None and tap is None):
+    routers = routed(model, batch, tap)
+    if routers is None:
         return run()
     layout = layout_of(model, batch) if packed else None
     return routed_pass(run, routers, batch, sp, layout, tap)

@@ -66,6 +66,14 @@ class SequenceGroup:
         """``length`` rounded up to a multiple of the world size."""
         return -(-length // self.world) * self.world
 
+    def gathered(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (of one shape on every rank), in rank order."""
+        if self.world == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
     def bounds(self, length: int) -> tuple[int, int]:
         """This rank's [start, stop) of a ``length`` already ``padded``."""
         share = length // self.world
@@ -267,9 +275,7 @@ class _Gather(torch.autograd.Function):
         ctx.sp = sp
         if sp.world == 1:
             return x.clone()
-        parts = [torch.empty_like(x) for _ in range(sp.world)]
-        dist.all_gather(parts, x.contiguous(), group=sp.group)
-        return torch.cat(parts, 1)
+        return torch.cat(sp.gathered(x), 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -125,21 +125,12 @@ def _summed(stats: RouterStats, sp: SequenceGroup) -> RouterStats:
     )
 
 
-def _gathered(x: torch.Tensor, sp: SequenceGroup) -> list[torch.Tensor]:
-    """Every rank's ``x`` (of one shape on every rank), in rank order."""
-    if sp.world == 1:
-        return [x]
-    parts = [torch.empty_like(x) for _ in range(sp.world)]
-    dist.all_gather(parts, x.contiguous(), group=sp.group)
-    return parts
-
-
 def _whole_record(
     used: torch.Tensor, batch, layout: PackedLayout | None, sp: SequenceGroup
 ) -> torch.Tensor:
     """The experts each rank's routers used ([n, L, k], as many tokens on every rank) as the
     batch's [B, P + R, L, k], -1 where no token ran."""
-    parts = [part.to(used.dtype) for part in _gathered(used.to(torch.int32), sp)]
+    parts = [part.to(used.dtype) for part in sp.gathered(used.to(torch.int32))]
     rows, width = batch.input_ids.shape
     if layout is None:  # each part is [B, t] of the padded rows
         whole = torch.cat([part.view(rows, -1, *used.shape[1:]) for part in parts], 1)
@@ -155,11 +146,11 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
         counts = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
-        counts = [int(c) for c in _gathered(counts, sp)]
+        counts = [int(c) for c in sp.gathered(counts)]
         ctx.start, ctx.count = sum(counts[: sp.rank]), x.shape[0]
         padded = x.new_zeros((max(counts), *x.shape[1:]), dtype=torch.float32)
         padded[: x.shape[0]] = x  # sent as float32: gloo need not carry half types
-        parts = _gathered(padded, sp)
+        parts = sp.gathered(padded)
         whole = torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
         return whole.to(x.dtype)
 
