@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from .test_data_parallel_run import COMPARED, PPO, assert_same_moves, initial_weights, train
+from .test_sharded_run import LORA, run
 
 SEQUENCE_PARALLEL = {"trainer.sequence_parallel": 2, "pipeline.spread_generation": False}
 
@@ -35,8 +36,6 @@ def test_four_fsdp_ranks_in_two_slots_train_with_activation_checkpointing(
     """FSDP shards over all four ranks while each pair shares its slot's sequences, and the
     layers recompute their activations in the backward pass (the model's own forward, the
     Ulysses attention run again): the steps one process trains."""
-    from .test_sharded_run import run
-
     values = {"model.gradient_checkpointing": True, "algorithm.kl_coef": 0.05}
     args = (micro_model_dir, digit_reward)
     one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **values)
@@ -56,8 +55,6 @@ def test_mtp_heads_learn_beside_ranks_sharing_each_sequence(
 ):
     """rollout.speculative=mtp: rank 0's engine drafts with the heads and trains them on the
     updated policy's hidden states (its whole copy, plain attention), as one process does."""
-    from .test_sharded_run import run
-
     values = {
         "rollout.speculative": "mtp",
         "rollout.spec_tokens": 2,
@@ -85,8 +82,6 @@ def test_the_schedules_that_generate_ahead_train_with_ranks_sharing_each_sequenc
     one_step trains on what one process does (each batch from the weights one step
     behind); async's batches depend on how far the producer ran ahead, so only its first
     step (from the first weights) is compared, and its steps are all there."""
-    from .test_sharded_run import run
-
     values = {"schedule.mode": mode, "algorithm.kl_coef": 0.05}
     args = (micro_model_dir, digit_reward)
     one, _, _ = run(tmp_path, "one", *args, 1, 3, strategy="replicate", **values)
@@ -108,8 +103,6 @@ def test_ppo_with_a_critic_trains_with_ranks_sharing_each_sequence(
     """algorithm.advantage=gae under SP: the critic's value pass and its fit run with each
     sequence shared by two ranks; the values, advantages and both losses are one process's
     (step 2's values are the critic fitted at step 1), and so are the policy's weights."""
-    from .test_sharded_run import run
-
     args = (micro_model_dir, digit_reward)
     one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **PPO)
     two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, strategy, **PPO | SEQUENCE_PARALLEL)
@@ -130,8 +123,6 @@ def test_lora_adapters_train_with_ranks_sharing_each_sequence(
     """LoRA under SP: the adapters' update and the reference pass (the policy with its
     adapters off, for the KL loss) shared by two ranks, the packed forward (replicated) and
     the model's own inside the wrapper (FSDP), end where one process does."""
-    from .test_sharded_run import LORA, run
-
     values = LORA | {"algorithm.kl_coef": 0.05}
     args = (micro_model_dir, digit_reward)
     one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **values)
@@ -173,8 +164,6 @@ def test_an_moe_policy_replays_its_routing_with_ranks_sharing_each_sequence(
     statistics are over every token, as one process's. (FSDP's ranks run the model's own
     forward: the one process does too.) Under R3 each rank replays its slice of the
     rollout's experts."""
-    from .test_sharded_run import run
-
     args = (moe_dirs["qwen3_moe"], digit_reward)
     one, _, _ = run(tmp_path, "one", *args, 1, 1, strategy="replicate", **values)
     two, _, _ = run(tmp_path, "two", *args, ranks, 1, strategy, **values | SEQUENCE_PARALLEL)
