@@ -16,7 +16,7 @@ from honing.trainer.engine import TrainedModule
 from honing.trainer.layouts import OneProcess
 from honing.trainer.policy_update import UpdateSettings, update_policy
 from tests.models.moe_models import FAMILIES, moe_model
-from tests.trainer.test_packed import grpo_like_batch
+from tests.trainer.test_packed import BATCHES, grpo_like_batch
 
 CPU = torch.device("cpu")
 VOCAB, PAD = 64, 0
@@ -181,11 +181,12 @@ def test_greedy_generation_is_token_identical_on_both_paths(family):
         assert torch.equal(a.routed_experts, b.routed_experts)
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "own-prompts"])
+@pytest.mark.parametrize("batch_kind", list(BATCHES))
 @pytest.mark.parametrize("family", FAST)
-def test_packed_logprobs_and_gradients_match_the_models_own_forward(family, shared):
-    """Both packed layouts: groups sharing their prompt, and a causal block per row."""
-    batch = grpo_like_batch(VOCAB, PAD, shared)
+def test_packed_logprobs_and_gradients_match_the_models_own_forward(family, batch_kind):
+    """Both packed layouts: groups sharing their prompt, and a causal block per row (rows
+    with prompts of their own, or long answers to shared ones)."""
+    batch = grpo_like_batch(VOCAB, PAD, *BATCHES[batch_kind])
     model = moe_model(family, VOCAB, PAD).train()
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
 

@@ -48,12 +48,14 @@ def model(request, micro_model_dir):
     return qwen2(tokenizer)  # q/k/v biases, grouped-query attention, non-trivial norms
 
 
-def grpo_like_batch(vocab: int, pad: int, shared: bool = True):
+def grpo_like_batch(vocab: int, pad: int, shared: bool = True, longer: int = 1):
     """``shared``: a group's rows share its prompt; else each row's prompt ends in a token of
-    its own (the causal layout: a block per row)."""
+    its own (the causal layout: a block per row). ``longer``: responses that many times as
+    long (at 8, long against the shared prompts: the causal layout too)."""
     generator = torch.Generator().manual_seed(1)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     lengths = [[4, 0, 7, 1], [3, 3, 6], [5, 2]]  # an empty and a one-token completion
+    lengths = [[n * longer for n in group] for group in lengths]
     rollouts = []
     for index, (prompt, group) in enumerate(zip(prompts, lengths, strict=True)):
         for member, length in enumerate(group):
@@ -76,11 +78,16 @@ def grpo_like_batch(vocab: int, pad: int, shared: bool = True):
     return collate([rollouts[i] for i in order], pad_id=pad, device=CPU)
 
 
-@pytest.fixture(scope="module", params=["shared", "own"])
+BATCHES = {"shared": (True, 1), "own": (False, 1), "long-answers": (True, 8)}
+
+
+@pytest.fixture(scope="module", params=list(BATCHES))
 def batch(model, request):
-    """Rows that share their group's prompt, or each its own prompt (the causal layout)."""
-    shared = request.param == "shared"
-    return grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0, shared)
+    """Rows that share their group's prompt (the shared blocks), each its own prompt, or
+    sharing it with long answers (both: the causal layout)."""
+    return grpo_like_batch(
+        model.config.vocab_size, model.config.pad_token_id or 0, *BATCHES[request.param]
+    )
 
 
 def test_rows_with_prompts_of_their_own_run_as_causal_blocks(model):
@@ -94,6 +101,34 @@ def test_rows_with_prompts_of_their_own_run_as_causal_blocks(model):
     assert layout.ids.numel() == layout.unpad.numel() == sum(lengths)
     shared = grpo_like_batch(model.config.vocab_size, model.config.pad_token_id or 0)
     assert not packed_layout(shared, CPU, torch.float32).causal
+
+
+def test_long_answers_to_shared_prompts_run_as_causal_blocks_over_one_prompt_copy(model):
+    """Where the shared blocks would pad every query row to the longest answer, each row is a
+    causal block that gathers its group's one prompt copy: the stream still runs each prompt
+    once, and each prompt token's output is read from its group's first row."""
+    vocab, pad = model.config.vocab_size, model.config.pad_token_id or 0
+    batch = grpo_like_batch(vocab, pad, longer=8)
+    layout = packed_layout(batch, CPU, torch.float32)
+    distinct_prompts = 5 + 2 + 3
+    response_inputs = sum(max(8 * n - 1, 0) for n in [4, 0, 7, 1, 3, 3, 6, 5, 2])
+    assert layout.causal and layout.sees is None
+    assert layout.ids.numel() == layout.unpad.numel() == distinct_prompts + response_inputs
+    flat = torch.arange(layout.ids.numel())
+    assert torch.equal(layout.query_slots.flatten()[layout.unpad], flat)  # a slot that holds it
+    width, prompt = layout.query_slots.shape[1], slice(0, batch.prompt_width)
+    prompts = [
+        tuple(row[real].tolist())
+        for row, real in zip(
+            batch.input_ids[:, prompt], batch.attention_mask[:, prompt].bool(), strict=True
+        )
+    ]
+    first = {}
+    for row, prompt in enumerate(prompts):
+        first.setdefault(prompt, row)
+    rows = (layout.unpad[:distinct_prompts] // width).tolist()
+    assert [first[prompts[row]] for row in rows] == rows and len(set(rows)) == 3
+    assert not packed_layout(grpo_like_batch(vocab, pad, longer=2), CPU, torch.float32).causal
 
 
 def test_the_layout_runs_each_prompt_once_and_no_padding(model):

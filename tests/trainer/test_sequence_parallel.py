@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from honing.algorithms import logprobs_from_logits
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.memory import saved_bytes
+from honing.trainer.packed import packed_layout
 from honing.trainer.sequence_packed import packed_sequence_parallel_logprobs
 from honing.trainer.sequence_parallel import (
     SequenceGroup,
@@ -65,9 +66,10 @@ def _model(case: str):
     return model
 
 
-def _batch():
+def _batch(long_answer: bool = False):
     """Rows of ~100 tokens: left-padded prompts (40 and 33), responses (60 and 45), and a third
-    row sharing the first's prompt (the packed stream runs it once)."""
+    row sharing the first's prompt (the packed stream runs it once), with 30 response tokens
+    (the packed forward's shared blocks) or ``long_answer`` 90 (a causal block per row)."""
     rng = random.Random(0)
     rollouts = [
         Rollout(
@@ -82,8 +84,12 @@ def _batch():
         )
         for i, (prompt, response) in enumerate([(40, 60), (33, 45)])
     ]
-    rollouts.append(replace(rollouts[0], response_ids=rollouts[0].response_ids[:30]))
-    rollouts[-1].behaviour_logprobs = [-1.0] * 30
+    response = rollouts[0].response_ids[:30]
+    if long_answer:
+        response = rollouts[0].response_ids + [rng.randrange(1, VOCAB) for _ in range(30)]
+    rollouts.append(
+        replace(rollouts[0], response_ids=response, behaviour_logprobs=[-1.0] * len(response))
+    )
     return collate(rollouts, pad_id=PAD, device=torch.device("cpu"))
 
 
@@ -122,9 +128,11 @@ def _sp_case(case: str, sp: SequenceGroup) -> dict:
         loss = _packed_loss(logprobs, scored)
         entropy = None
     else:
-        batch = _batch()
+        batch = _batch(case == "stream-long")
         logprobs_of = (
-            packed_sequence_parallel_logprobs if case == "stream" else sequence_parallel_logprobs
+            packed_sequence_parallel_logprobs
+            if case.startswith("stream")
+            else sequence_parallel_logprobs
         )
         logprobs, entropy = logprobs_of(model, batch, sp, with_entropy=True, entropy_grad=True)
         loss = _batch_loss(logprobs, entropy, batch)
@@ -147,7 +155,7 @@ def _one_process_case(case: str) -> dict:
         logprobs = logprobs * scored
         loss, entropy = _packed_loss(logprobs, scored), None
     else:
-        batch = _batch()
+        batch = _batch(case == "stream-long")
         logprobs, entropy = response_logprobs(model, batch, with_entropy=True, entropy_grad=True)
         logprobs, entropy = logprobs * batch.response_mask, entropy * batch.response_mask
         loss = _batch_loss(logprobs, entropy, batch)
@@ -167,7 +175,12 @@ def _long_saved_bytes(sp: SequenceGroup) -> int:
     return saved.bytes
 
 
-CASES = ("batch", "packed", "checkpointing", "moe", "stream")
+CASES = ("batch", "packed", "checkpointing", "moe", "stream", "stream-long")
+
+
+def test_the_stream_cases_take_both_packed_layouts():
+    assert not packed_layout(_batch(), torch.device("cpu"), torch.float32).causal
+    assert packed_layout(_batch(long_answer=True), torch.device("cpu"), torch.float32).causal
 
 
 def _all_cases(sp: SequenceGroup) -> dict:
