@@ -1,4 +1,5 @@
-"""Process-wide settings of the host a run trains on: torch threads and glibc's allocator.
+"""Process-wide settings of the host a run trains on: torch threads and glibc's allocator;
+and how a distributed rank leaves (``exit_now``).
 
 Why the allocator: glibc serves every allocation above its mmap threshold (128 KiB, growing
 with use up to 32 MiB) with a fresh ``mmap`` and returns it with ``munmap`` when freed, and it
@@ -20,6 +21,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import sys
 
 import torch
 
@@ -48,3 +50,13 @@ def tune_allocator() -> str:
         for parameter in (M_TRIM_THRESHOLD, M_MMAP_THRESHOLD)
     )
     return "glibc thresholds 1 GiB" if done else "unchanged (mallopt refused)"
+
+
+def exit_now(code: int = 0) -> None:
+    """End this process with ``code`` once stdout and stderr are flushed, skipping the
+    interpreter's teardown: there the C++ destructors of gloo's and FSDP's threads in a
+    distributed rank can abort ("terminate called without an active exception", SIGABRT)
+    after its work and its process group are done. For a rank with nothing left to write."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -17,7 +17,6 @@ Backend: gloo on the CPU, NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from honing.config import Config, to_dict
 from honing.errors import ConfigError
-from honing.host import configure_host
+from honing.host import configure_host, exit_now
 from honing.models.loading import resolve_device
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.experience import forward_passes
@@ -140,14 +139,9 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
             with lead(group, parts, config) as leader:
                 result = run_training(config, run_dir, parts, prepared, log, peers=leader)
         leave(group, wait=ended_well)  # all ranks together, unless one failed
-        if rank != 0 and ended_well:
-            # A follower has nothing left to write: it ends here, without the interpreter's
-            # teardown, where the C++ destructors of gloo's and FSDP's threads can still
-            # abort ("terminate called without an active exception").
+        if rank != 0 and ended_well:  # a follower has nothing left to write
             close(parts)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            exit_now()
         return result
     finally:
         leave(group, wait=False)  # this rank failed; after a leave, nothing

@@ -7,15 +7,14 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.services.process import free_port
 from honing.trainer.batch import collate
 from honing.trainer.engine import TrainedModule
 from honing.trainer.layouts import OneProcess, Replicated
 from honing.trainer.policy_update import UpdateSettings, update_policy
 
+from .ranks import on_ranks
 from .test_policy_update import PAD, make_rollouts
 
 CPU = torch.device("cpu")
@@ -50,17 +49,11 @@ def _run(model_dir: str, settings: UpdateSettings, group=None):
     return model, metrics
 
 
-def _worker(rank: int, model_dir: str, settings: UpdateSettings, port: int, out: str):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        model, metrics = _run(model_dir, settings, group=dist.group.WORLD)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save({"state": state, "metrics": metrics}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _on_rank(model_dir: str, settings: UpdateSettings) -> dict:
+    model, metrics = _run(model_dir, settings, group=dist.group.WORLD)
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}} | {
+        "metrics": metrics
+    }
 
 
 @pytest.mark.slow  # gloo ranks spawned, each importing torch
@@ -76,9 +69,7 @@ def test_two_ranks_end_where_one_process_does(micro_model_dir, tmp_path, split):
         UpdateSettings(kl_coef=0.05, entropy_coef=0.01, grad_clip=1.0), **split
     )
     single, single_metrics = _run(str(micro_model_dir), settings)
-    out = str(tmp_path / "rank")
-    mp.spawn(_worker, args=(str(micro_model_dir), settings, free_port(), out), nprocs=WORLD)
-    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), WORLD, str(micro_model_dir), settings)
     before = _setup(str(micro_model_dir))[0].state_dict()
     moved = 0
     for name, want in single.state_dict().items():

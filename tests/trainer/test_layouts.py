@@ -6,13 +6,12 @@ tensors gathered a tensor at a time, whole tensors loaded into shards, and metri
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.services.process import free_port
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.engine import TrainedModule, make_layout
 
+from .ranks import on_ranks
 from .test_policy_update import PAD, make_rollouts
 
 pytestmark = pytest.mark.slow  # gloo ranks spawned, each importing torch
@@ -43,34 +42,26 @@ def _logprobs(policy: TrainedModule, batch) -> torch.Tensor:
         )
 
 
-def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        batch = collate(make_rollouts()[:ROWS], pad_id=PAD, device=CPU)
-        found = {}
-        for strategy in ("fsdp", "replicate"):
-            policy = _policy(model_dir, strategy, dist.group.WORLD)
-            found[strategy] = {
-                "sharded": policy.is_sharded,
-                "world": policy.world_size,
-                "logprobs": _logprobs(policy, batch),
-                "whole": {name: t.clone() for name, t in policy.whole_tensors()},
-                "rows": [(c.tolist(), real) for c, real in policy.rows(torch.arange(ROWS), 2)],
-                "sum": float(policy.reduce({"x": torch.tensor(rank + 1.0)})["x"]),
-            }
-            # whole tensors into this rank's shards: read back whole, they are what went in
-            doubled = [(name, t * 2) for name, t in found[strategy]["whole"].items()]
-            assert policy.load_tensors(doubled + [("not.a.weight", torch.zeros(1))]) == [
-                "not.a.weight"
-            ]
-            found[strategy]["reloaded"] = {n: t.clone() for n, t in policy.whole_tensors()}
-            found[strategy]["generation_is_module"] = policy.generation_module is policy.module
-        torch.save(found, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _on_rank(model_dir: str) -> dict:
+    rank = dist.get_rank()
+    batch = collate(make_rollouts()[:ROWS], pad_id=PAD, device=CPU)
+    found = {}
+    for strategy in ("fsdp", "replicate"):
+        policy = _policy(model_dir, strategy, dist.group.WORLD)
+        found[strategy] = {
+            "sharded": policy.is_sharded,
+            "world": policy.world_size,
+            "logprobs": _logprobs(policy, batch),
+            "whole": {name: t.clone() for name, t in policy.whole_tensors()},
+            "rows": [(c.tolist(), real) for c, real in policy.rows(torch.arange(ROWS), 2)],
+            "sum": float(policy.reduce({"x": torch.tensor(rank + 1.0)})["x"]),
+        }
+        # whole tensors into this rank's shards: read back whole, they are what went in
+        doubled = [(name, t * 2) for name, t in found[strategy]["whole"].items()]
+        assert policy.load_tensors(doubled + [("not.a.weight", torch.zeros(1))]) == ["not.a.weight"]
+        found[strategy]["reloaded"] = {n: t.clone() for n, t in policy.whole_tensors()}
+        found[strategy]["generation_is_module"] = policy.generation_module is policy.module
+    return found
 
 
 def test_sharded_and_replicated_ranks_see_what_one_process_sees(micro_model_dir, tmp_path):
@@ -80,9 +71,7 @@ def test_sharded_and_replicated_ranks_see_what_one_process_sees(micro_model_dir,
     batch = collate(make_rollouts()[:ROWS], pad_id=PAD, device=CPU)
     want_logprobs = _logprobs(alone, batch)
     want_whole = dict(alone.module.state_dict())
-    out = str(tmp_path / "rank")
-    mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
-    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), WORLD, model_dir)
     for rank, found in enumerate(ranks):
         sharded, replicated = found["fsdp"], found["replicate"]
         assert (sharded["sharded"], sharded["world"]) == (True, WORLD)

@@ -27,7 +27,7 @@ from honing.trainer.sequence_parallel import (
 )
 from honing.types import Rollout
 from tests.models.moe_models import moe_model
-from tests.trainer.sp_ranks import on_ranks
+from tests.trainer.ranks import on_ranks
 
 WORLD = 2
 VOCAB = 64
@@ -183,7 +183,8 @@ def test_the_stream_cases_take_both_packed_layouts():
     assert packed_layout(_batch(long_answer=True), torch.device("cpu"), torch.float32).causal
 
 
-def _all_cases(sp: SequenceGroup) -> dict:
+def _all_cases() -> dict:
+    sp = SequenceGroup.of()
     results = {case: _sp_case(case, sp) for case in CASES}
     results["saved_bytes"] = _long_saved_bytes(sp)
     return results

@@ -12,16 +12,15 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from honing.config import build_config
 from honing.errors import ConfigError
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.pipeline.rules import check_config
-from honing.services.process import free_port
 from honing.trainer.engine import TrainedModule, make_layout
 from honing.trainer.policy_update import update_policy
 
+from .ranks import on_ranks
 from .test_policy_update import make_experience, settings_for
 
 CPU = torch.device("cpu")
@@ -72,16 +71,9 @@ def _update(
     return {"weights": weights, "metrics": metrics, "old": passed, "mask": batch.response_mask}
 
 
-def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
-    """Rank ``rank`` of two: every case's update with both ranks in one slot, saved."""
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        found = {case: _update(model_dir, *case, dist.group.WORLD, WORLD) for case in CASES}
-        torch.save(found, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _on_rank(model_dir: str) -> dict:
+    """Every case's update on this rank, with both ranks in one slot."""
+    return {case: _update(model_dir, *case, dist.group.WORLD, WORLD) for case in CASES}
 
 
 @pytest.mark.slow  # gloo ranks spawned, each importing torch
@@ -91,9 +83,7 @@ def test_two_ranks_sharing_each_sequence_end_where_one_process_does(micro_model_
         (packed, budget): _update(model_dir, "replicate", packed, budget, None)
         for _, packed, budget in CASES
     }
-    out = str(tmp_path / "rank")
-    mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
-    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), WORLD, model_dir)
     whole = _policy(model_dir, "replicate", None).module.parameters()
     weights_mb = {"replicate": 0.0, "fsdp": sum(p.numel() * 4 for p in whole) / 2**20}
     for strategy, packed, budget in CASES:

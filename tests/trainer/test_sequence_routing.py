@@ -20,7 +20,7 @@ from honing.trainer.batch import RouterTap, response_logprobs
 from honing.trainer.sequence_packed import shared_logprobs
 from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
 from tests.models.moe_models import moe_model
-from tests.trainer.sp_ranks import on_ranks
+from tests.trainer.ranks import on_ranks
 
 from .test_sequence_parallel import PAD, VOCAB, _batch, _batch_loss, _grads
 
@@ -81,7 +81,8 @@ def _case(family: str, packed: bool, plans: str, sp: SequenceGroup | None) -> di
     }
 
 
-def _all_cases(sp: SequenceGroup) -> dict:
+def _all_cases() -> dict:
+    sp = SequenceGroup.of()
     return {case: _case(*case, sp) for case in CASES}
 
 

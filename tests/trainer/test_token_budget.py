@@ -11,17 +11,16 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from honing.algorithms.losses import LOSS_AGGREGATIONS
 from honing.config import build_config
 from honing.errors import ConfigError
 from honing.pipeline.components import update_settings
-from honing.services.process import free_port
 from honing.trainer.layouts import OneProcess, Replicated, deal_rows, pack_rows
 from honing.trainer.policy_update import row_tokens, update_policy
 from honing.trainer.sharded import Sharded
 
+from .ranks import on_ranks
 from .test_layouts import _policy
 from .test_policy_update import make_experience, settings_for, sgd_step
 
@@ -166,20 +165,12 @@ def _update(model_dir: str, strategy: str, loss_agg: str, group) -> tuple[dict, 
     return {name: t.clone() for name, t in policy.whole_tensors()}, metrics
 
 
-def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        found = {
-            (strategy, mode): _update(model_dir, strategy, mode, dist.group.WORLD)
-            for strategy in ("replicate", "fsdp")
-            for mode in MODES
-        }
-        torch.save(found, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _on_rank(model_dir: str) -> dict:
+    return {
+        (strategy, mode): _update(model_dir, strategy, mode, dist.group.WORLD)
+        for strategy in ("replicate", "fsdp")
+        for mode in MODES
+    }
 
 
 @pytest.mark.slow  # gloo ranks spawned, each importing torch
@@ -189,9 +180,7 @@ def test_two_ranks_with_a_token_budget_end_where_one_process_does(mixed, tmp_pat
     model_dir, _, (batch, *_) = mixed
     mean = float(row_tokens(batch).sum()) / WORLD
     alone = {mode: _update(model_dir, "fsdp", mode, None) for mode in MODES}
-    out = str(tmp_path / "rank")
-    mp.spawn(_worker, args=(model_dir, free_port(), out), nprocs=WORLD)
-    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), WORLD, model_dir)
     for (strategy, mode), _ in ranks[0].items():
         want, want_metrics = alone[mode]
         micro_batches = [found[strategy, mode][1]["perf/micro_batches"] for found in ranks]
