@@ -149,9 +149,14 @@ def main() -> None:
         "|---:|---|" + "---:|" * len(worlds),
         *rows,
     ]
+    write_results("long_chain", {"command": command, "runs": runs}, table)
+
+
+def write_results(name: str, record: dict, table: list[str]) -> None:
+    """benchmarks/results/``name``.json (``record``) and .md (``table``'s lines), printed."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "long_chain.json").write_text(json.dumps({"command": command, "runs": runs}))
-    (RESULTS / "long_chain.md").write_text("\n".join(table) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(record))
+    (RESULTS / f"{name}.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 
 

@@ -23,12 +23,11 @@ Writes benchmarks/results/packed_layouts.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from benchmarks.long_chain import RESULTS, SHAPE, model
+from benchmarks.long_chain import SHAPE, model, write_results
 from benchmarks.moe import cpu_model
 
 # name: (prompts, rows per prompt, prompt tokens, response lengths dealt round the rows)
@@ -124,10 +123,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---|---:|",
         *rows,
     ]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "packed_layouts.json").write_text(json.dumps({"command": command, "runs": runs}))
-    (RESULTS / "packed_layouts.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    write_results("packed_layouts", {"command": command, "runs": runs}, table)
 
 
 if __name__ == "__main__":
