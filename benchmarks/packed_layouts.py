@@ -83,7 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from honing.trainer.packed import _rows_score_less, _Stream
+    import torch
+
+    from honing.trainer.packed import packed_layout
 
     policy = model(max(p + max(r) for _, _, p, r in WORKLOADS.values()))
     rows, runs = [], []
@@ -95,7 +97,8 @@ def main() -> None:
             for causal in order:
                 took, saved[causal], logprobs[causal] = one_pass(policy, batch, causal)
                 seconds[causal].append(took)
-        chosen = "causal" if _rows_score_less(_Stream.of(batch)) else "shared"
+        chosen = packed_layout(batch, torch.device("cpu"), torch.float32).causal
+        chosen = "causal" if chosen else "shared"
         shared, causal = statistics.median(seconds[False]), statistics.median(seconds[True])
         differs = (logprobs[True] - logprobs[False]).abs().max().item()
         runs.append(
