@@ -51,9 +51,8 @@ def _run(model_dir: str, settings: UpdateSettings, group=None):
 
 def _on_rank(model_dir: str, settings: UpdateSettings) -> dict:
     model, metrics = _run(model_dir, settings, group=dist.group.WORLD)
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}} | {
-        "metrics": metrics
-    }
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "metrics": metrics}
 
 
 @pytest.mark.slow  # gloo ranks spawned, each importing torch
