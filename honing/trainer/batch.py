@@ -174,7 +174,10 @@ def _accepts_logits_to_keep(model) -> bool:
 
 
 # Causal LMs whose logits are exactly ``lm_head(final hidden state)``: the head can then be
-# applied in chunks (no soft-capping or scaling after it, as Gemma 2 or Cohere have).
+# applied in chunks (no soft-capping or scaling after it, as Gemma 2, Cohere or Granite have),
+# and whose every layer attends through transformers' attention (no linear attention, Mamba
+# or sparse-attention indexer), so that sequence parallelism can share their sequences.
+# tests/trainer/test_sequence_families.py checks both for every MoE family listed here.
 PLAIN_HEAD_MODEL_TYPES = (
     "llama",
     "qwen2",
@@ -185,6 +188,21 @@ PLAIN_HEAD_MODEL_TYPES = (
     "mixtral",
     "olmoe",
     "deepseek_v3",
+    "aria_text",
+    "axk1",
+    "dbrx",
+    "deepseek_v2",
+    "ernie4_5_moe",
+    "flex_olmo",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "hunyuan_v1_moe",
+    "hy_v3",
+    "jetmoe",
+    "longcat_flash",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "solar_open",
 )
 HEAD_CHUNK_LOGITS = 1 << 24  # logits per chunk when the head is applied in chunks (64 MiB)
 

@@ -24,7 +24,9 @@ N; causal attention hides those tokens from every real one and they predict noth
 The attention is registered under ``ATTENTION`` in transformers' attention registry; given no
 ``ulysses`` argument (a plain forward, generation) it is transformers' own sdpa attention.
 Refused (``check_model``, one-line ``ValueError``): heads N does not divide, sliding windows,
-non-causal attention, families whose logits are not ``lm_head(hidden)``.
+non-causal attention, families outside ``PLAIN_HEAD_MODEL_TYPES`` (logits not
+``lm_head(hidden)``, or layers that do not attend through transformers' attention: linear
+attention, Mamba, sparse-attention indexers).
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def check_model(model: nn.Module, world: int) -> None:
     kind = getattr(config, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
         raise ValueError(
-            f"sequence parallelism takes {', '.join(PLAIN_HEAD_MODEL_TYPES)} models "
-            f"(logits are lm_head(hidden)), not {kind}"
+            f"sequence parallelism takes models whose every layer attends through "
+            f"transformers' attention and whose logits are lm_head(hidden) "
+            f"({', '.join(PLAIN_HEAD_MODEL_TYPES)}), not {kind}"
         )
     heads = config.num_attention_heads
     if heads % world:

@@ -1,0 +1,137 @@
+"""Every mixture-of-experts family of the installed transformers under Ulysses sequence
+parallelism: two gloo ranks sharing each sequence compute one process's logprobs, loss and
+gradients (with a replayed routing plan where the family's routers replay exactly, through
+the packed forward too where it takes the family), or the family is refused in one line
+before anything runs. A family that is not refused and differs (a hybrid's linear-attention
+or Mamba layers see only their rank's slice; a sparse-attention indexer reads the whole
+sequence) fails here.
+
+The tiny models are ``tests/models/moe_families.py``'s. Tolerance as
+``test_sequence_parallel.py``'s: float32, the ranks' matmuls on other shapes."""
+
+import random
+
+import pytest
+import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from honing.models.moe import routers_of
+from honing.trainer import batch as batch_module
+from honing.trainer.batch import collate, response_logprobs
+from honing.trainer.sequence_packed import shared_logprobs
+from honing.trainer.sequence_parallel import SequenceGroup, check_model, use_ulysses
+from honing.types import Rollout
+from tests.models.moe_families import build, moe_families
+from tests.trainer.ranks import on_ranks
+
+WORLD = 2
+FAMILIES = moe_families()
+PAD = 0
+# What a family may do to its logits after the head: set off 1 (or off) where its config has it
+HEAD_KNOBS = {"logits_scaling": 4.0, "final_logit_softcapping": 3.0, "logit_scale": 0.25}
+
+
+def _batch():
+    """Two rows of 15 and 13 tokens (prompts 6 and 4), ids under the tiny vocabulary."""
+    rng = random.Random(0)
+    rollouts = [
+        Rollout(
+            f"p{i}",
+            0,
+            [rng.randrange(3, 128) for _ in range(prompt)],
+            [rng.randrange(3, 128) for _ in range(response)],
+            [-1.0] * response,
+            "length",
+            0,
+            "",
+        )
+        for i, (prompt, response) in enumerate([(6, 9), (4, 9)])
+    ]
+    return collate(rollouts, pad_id=PAD, device=torch.device("cpu"))
+
+
+def _plan(batch, routers) -> torch.Tensor:
+    """A random [B, P + R, L, k] choice of distinct experts."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (*batch.input_ids.shape, routers.layers, routers.num_experts)
+    return (
+        torch.rand(shape, generator=gen).argsort(-1)[..., : routers.top_k].to(routers.index_dtype)
+    )
+
+
+def _pass(family: str, packed: bool, sp: SequenceGroup | None) -> dict:
+    """Logprobs, loss and gradients of one pass with a backward (``sp`` None: one process)."""
+    model = build(family)
+    batch = _batch()
+    routers = routers_of(model)
+    if routers is not None and routers.check_replay() is None:
+        batch.replay = _plan(batch, routers)
+    if sp is None:
+        logprobs, _ = response_logprobs(model, batch, packed=packed)
+        logprobs = logprobs * batch.response_mask
+    else:
+        logprobs, _ = shared_logprobs(use_ulysses(model, sp.world), batch, sp, packed=packed)
+    loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.shape[1])).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"logprobs": logprobs.detach(), "loss": loss.detach(), "grads": grads}
+
+
+def _family(family: str, sp: SequenceGroup) -> dict | str:
+    """Both passes of ``family`` on this rank, or the one-line refusal."""
+    try:
+        check_model(build(family), sp.world)
+    except ValueError as refusal:
+        return str(refusal)
+    return {packed: _pass(family, packed, sp) for packed in (False, True)}
+
+
+def _all_families() -> dict:
+    sp = SequenceGroup.of()
+    return {family: _family(family, sp) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return on_ranks(_all_families, str(tmp_path_factory.mktemp("sp_families") / "rank"), WORLD)
+
+
+@pytest.mark.slow  # gloo ranks spawned, each building every family
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_shares_a_sequence_as_one_process_or_is_refused(ranks, family):
+    found = [rank[family] for rank in ranks]
+    if isinstance(found[0], str):
+        assert found[0] == found[1] and "\n" not in found[0] and found[0]
+        return
+    for packed, want in ((packed, _pass(family, packed, None)) for packed in (False, True)):
+        for got in found:
+            torch.testing.assert_close(
+                got[packed]["logprobs"], want["logprobs"], atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(got[packed]["loss"], want["loss"], atol=1e-6, rtol=1e-5)
+        assert want["grads"].keys() == found[0][packed]["grads"].keys()
+        for name, grad in want["grads"].items():
+            total = sum(got[packed]["grads"][name] for got in found)
+            torch.testing.assert_close(total, grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_families_sequence_parallelism_takes_have_a_plain_head(monkeypatch):
+    """The head applied in chunks to the final hidden states gives the model's own logprobs:
+    what the families sequence parallelism takes (and the chunked head) rely on."""
+    batch, taken = _batch(), 0
+    for family in FAMILIES:
+        default = CONFIG_MAPPING[family]()
+        model = build(family, **{k: v for k, v in HEAD_KNOBS.items() if hasattr(default, k)})
+        try:
+            check_model(model, WORLD)
+        except ValueError:
+            continue
+        taken += 1
+        with torch.no_grad(), monkeypatch.context() as patch:
+            want, _ = response_logprobs(model, batch)
+            patch.setattr(batch_module, "HEAD_CHUNK_LOGITS", 4 * 128)  # 4 tokens a chunk
+            assert batch_module._chunked_head(model, batch, batch.responses.shape[1]), family
+            got, _ = response_logprobs(model, batch)
+        mask = batch.response_mask.bool()
+        torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5, msg=family)
+    assert taken > 0
