@@ -103,7 +103,8 @@ def test_each_family_shares_a_sequence_as_one_process_or_is_refused(ranks, famil
     if isinstance(found[0], str):
         assert found[0] == found[1] and "\n" not in found[0] and found[0]
         return
-    for packed, want in ((packed, _pass(family, packed, None)) for packed in (False, True)):
+    for packed in (False, True):
+        want = _pass(family, packed, None)
         for got in found:
             torch.testing.assert_close(
                 got[packed]["logprobs"], want["logprobs"], atol=1e-5, rtol=1e-5
