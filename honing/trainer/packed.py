@@ -155,7 +155,9 @@ def packed_layout(
     one copy of the prompt. ``causal``: a block per row (``PackedLayout.causal``) or the
     shared blocks; by default whichever scores fewer query-key pairs."""
     stream = _Stream.of(batch)
-    if _rows_score_less(stream) if causal is None else causal:
+    if causal is None:
+        causal = _rows_score_less(stream)
+    if causal:
         return _causal_layout(stream, device, dtype)
     prompt_index, prompt_real = _padded(stream.prompt_starts, stream.prompt_lens)  # [U, Pm]
     response_index, response_real = _padded(stream.response_starts, stream.response_lens)
