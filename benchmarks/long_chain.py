@@ -87,8 +87,8 @@ def _rank(rank: int, world: int, port: int, length: int, path: str, out: str) ->
 
     from honing.host import exit_now
     from honing.trainer.memory import saved_bytes
-    from honing.trainer.sequence_packed import packed_sequence_parallel_logprobs
-    from honing.trainer.sequence_parallel import (
+    from honing.trainer.ulysses.packed import packed_sequence_parallel_logprobs
+    from honing.trainer.ulysses.parallel import (
         SequenceGroup,
         sequence_parallel_logprobs,
         use_ulysses,

@@ -58,7 +58,7 @@ def main() -> None:
     from honing.pipeline.inputs import load_datasets, tokenize_prompts
     from honing.rewards import Scorer, numeric_reward
     from honing.rollout.base import SamplingParams
-    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.rollout.native.engine import TransformersEngine
 
     config = build_config(load_yaml(ROOT / "examples" / "arithmetic.yaml"))
     base_dir = resolve_model_path(config, log=lambda m: None)

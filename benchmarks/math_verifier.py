@@ -72,7 +72,7 @@ def run_math_verify(pairs: list[tuple[str, str, bool, str]]) -> dict[str, Any]:
 
 
 def run_single(pairs: list[tuple[str, str, bool, str]]) -> dict[str, Any]:
-    from honing.rewards.math_verifier import MathVerifier
+    from honing.rewards.math.verifier import MathVerifier
 
     with MathVerifier(workers=1, timeout_s=5.0) as verifier:
         verifier.pool.check([(["$1$"], "$1$")])  # start the worker outside the clock
@@ -94,7 +94,7 @@ def run_single(pairs: list[tuple[str, str, bool, str]]) -> dict[str, Any]:
 
 
 def run_pooled(pairs: list[tuple[str, str, bool, str]], workers: int) -> dict[str, Any]:
-    from honing.rewards.math_verifier import MathVerifier
+    from honing.rewards.math.verifier import MathVerifier
 
     items = [{"response": prediction, "ground_truth": gold} for gold, prediction, _, _ in pairs]
     with MathVerifier(workers=workers, timeout_s=5.0) as verifier:
@@ -108,7 +108,7 @@ def run_pooled(pairs: list[tuple[str, str, bool, str]], workers: int) -> dict[st
 
 def run_slow_path_only(pairs: list[tuple[str, str, bool, str]], workers: int) -> dict[str, Any]:
     """math-verify through the pool on every pair: what the slow path alone sustains."""
-    from honing.rewards.math_pool import MathPool
+    from honing.rewards.math.pool import MathPool
 
     with MathPool(workers=workers, timeout_s=5.0) as pool:
         pool.check([(["$1$"], "$1$")] * workers)
@@ -123,7 +123,7 @@ def labelled_set() -> dict[str, Any]:
     """Ours and math-verify (on the whole response, its own extraction) vs the hand labels."""
     from math_verify import parse, verify
 
-    from honing.rewards.math_verifier import MathVerifier
+    from honing.rewards.math.verifier import MathVerifier
 
     rows = [json.loads(line) for line in LABELLED.read_text().splitlines()]
     with MathVerifier(workers=2, timeout_s=5.0) as verifier:
@@ -153,7 +153,7 @@ def labelled_set() -> dict[str, Any]:
 
 
 def deadline_overshoot(trials: int = 4, timeout_s: float = 1.0) -> dict[str, Any]:
-    from honing.rewards.math_pool import MathPool
+    from honing.rewards.math.pool import MathPool
 
     with MathPool(workers=2, timeout_s=timeout_s) as pool:
         pool.check([(["$1$"], "$1$")] * 2)

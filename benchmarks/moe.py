@@ -120,7 +120,7 @@ def paired(args) -> dict:
     from honing.models.tiny import TINY_MOE
     from honing.pipeline.components import builtin_tiny_model, cache_dir, resolve_model_path
     from honing.rollout.base import GenerationRequest, SamplingParams
-    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.rollout.native.engine import TransformersEngine
     from honing.trainer.batch import RouterTap, collate, response_logprobs
     from honing.trainer.engine import TrainedModule
     from honing.trainer.layouts import OneProcess

@@ -55,8 +55,8 @@ def _engine(name: str, model_dir: Path):
 
     from honing.models.loading import load_causal_lm, load_tokenizer
     from honing.rollout.base import Holding
-    from honing.rollout.transformers_engine import TransformersEngine
-    from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings
+    from honing.rollout.native.engine import TransformersEngine
+    from honing.rollout.vllm.engine import VLLMEngine, VLLMSettings
     from honing.trainer.engine import BUCKET_BYTES, buckets
 
     tokenizer = load_tokenizer(model_dir)

@@ -129,7 +129,7 @@ def _rollout_app(ns: argparse.Namespace):
     from honing.host import configure_host
     from honing.models.loading import load_causal_lm, load_tokenizer, resolve_device
     from honing.pipeline.components import resolve_model_path
-    from honing.rollout.transformers_engine import TransformersEngine
+    from honing.rollout.native.engine import TransformersEngine
     from honing.services.options import CompletionLimits
     from honing.services.rollout import rollout_app
 

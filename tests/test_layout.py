@@ -161,3 +161,56 @@ def test_the_modules_kept_on_one_worker_exist():
     from tests.conftest import ONE_WORKER
 
     assert [path for path in ONE_WORKER if not (ROOT / path).is_file()] == []
+
+
+def test_the_sandbox_imports_nothing_beside_it():
+    """The sandbox is below the rewards and the tools that run programs in it: it may import
+    its own package and layers 0-1, nothing of layer 2."""
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in EDGES.items()
+        if module.startswith("honing.sandbox")
+        for target in sorted(targets)
+        if not target.startswith("honing.sandbox") and layer_of(target) >= 2
+    ]
+    assert not upward, "\n".join(upward)
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = ("honing", "tests", "benchmarks", "examples", "deploy", "docs", ".ci")
+PACKAGES = {path.name for path in PACKAGE.iterdir() if path.is_dir()}
+
+
+def _named_path(token: str) -> Path | None:
+    """The file or folder a doc's backticked ``token`` names (``rollout/base.py``,
+    ``rollout/tools/calls.FORMATS``, ``honing/sandbox/``), or None where it is no path of ours
+    (a metric name such as ``rollout/spec_enabled``, a URL, a glob, a command line)."""
+    head, _, last = token.rpartition("/")
+    top = token.split("/")[0]
+    if not head or any(c in token for c in " *{:<>") or top not in TOP + tuple(PACKAGES):
+        return None
+    if last and "." not in last:  # no file, module or folder: a metric or a run's directory
+        return None
+    if top in PACKAGES:
+        head = f"honing/{head}"
+    if not last or (ROOT / head / last).exists():
+        return ROOT / head / last
+    return ROOT / head / (last.split(".")[0] + ".py")  # a module's attribute
+
+
+def test_every_path_the_docs_name_exists():
+    """A file renamed or moved without its mention in the README or docs/ fails here."""
+    missing = [
+        f"{doc.name}: `{token}`"
+        for doc in DOCS
+        for token in re.findall(r"`([^`\n]+)`", doc.read_text(encoding="utf-8"))
+        if (path := _named_path(token)) is not None and not path.exists()
+    ]
+    assert not missing, "\n".join(missing)
+
+
+def test_a_missing_path_in_the_docs_would_be_found():
+    assert _named_path("rollout/tools/calls.FORMATS") == PACKAGE / "rollout/tools/calls.py"
+    assert not _named_path("rollout/no_such_module.py").exists()
+    assert _named_path("trainer.sequence_parallel=2") is None
+    assert _named_path("rollout/spec_enabled") is None

@@ -23,8 +23,8 @@ from honing.rollout.base import (
     WeightBuckets,
     chunked,
 )
-from honing.rollout.mtp import MTP_PREFIX
-from honing.rollout.speculative import merge_metrics
+from honing.rollout.native.mtp import MTP_PREFIX
+from honing.rollout.native.speculative import merge_metrics
 from honing.types import Rollout
 
 

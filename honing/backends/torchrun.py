@@ -45,7 +45,7 @@ from honing.rollout.base import (
     WeightBuckets,
     chunked,
 )
-from honing.rollout.speculative import merge_metrics
+from honing.rollout.native.speculative import merge_metrics
 
 TIMEOUT = timedelta(minutes=30)  # a rank waiting longer for the others fails
 

@@ -122,7 +122,7 @@ class RolloutConfig:
     vllm_enforce_eager: bool = _opt(True)
     vllm_gpu_memory_utilization: float = _opt(0.5, gt=0.0, le=1.0)
     vllm_sleep: bool = _opt(False)
-    # Multi-turn rollouts with tools (honing/rollout/multiturn.py): python (code run in
+    # Multi-turn rollouts with tools (honing/rollout/tools/turns.py): python (code run in
     # honing's sandbox), calculator, package.module:function or path/file.py:function; empty =
     # one turn. A turn ends at the format's closing tag; its calls run (at most
     # max_tool_calls, each under tool_timeout_s, output cut to tool_output_bytes) and their
@@ -232,7 +232,7 @@ class TrainerConfig:
     fsdp_reshard_after_forward: bool = _opt(True)  # fsdp: free gathered layers after forward
     # fsdp: the dtype parameters are cast to for compute (gradients reduce in float32)
     fsdp_param_dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
-    # Under torchrun: ranks per sequence (Ulysses; honing/trainer/sequence_parallel.py). The
+    # Under torchrun: ranks per sequence (Ulysses; honing/trainer/ulysses/parallel.py). The
     # W ranks form W/N data-parallel slots of N consecutive ranks, which share each sequence
     # of their rows: activations per rank ~1/N. 1 = off
     sequence_parallel: int = _opt(1, ge=1)

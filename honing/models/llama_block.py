@@ -1,7 +1,7 @@
 """The Llama-family decoder block's arithmetic, shared by the lean forwards.
 
 Two lean paths skip the Hugging Face module forward for the same maths with less overhead:
-``honing.rollout.fast_decode`` (prefill and one-token steps with a KV cache) and
+``honing.rollout.native.fast_decode`` (prefill and one-token steps with a KV cache) and
 ``honing.trainer.packed`` (the logprob passes of training, prompts shared by their group and
 no padding). Both compute exactly what the HF forward computes, operation for operation, so
 they must agree on which models qualify (``supports``) and on the three pieces of the block

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from honing.data.arithmetic import warmstart_corpus
-from honing.rollout.tool_calls import FORMATS, ToolResponses, ToolResult
-from honing.rollout.tools import calculate
+from honing.rollout.tools.calls import FORMATS, ToolResponses, ToolResult
+from honing.rollout.tools.specs import calculate
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 
@@ -89,7 +89,7 @@ def tool_corpus(corpus: list[tuple[str, str]], call_share: float, seed: int):
 
     Such a completion is the Hermes call of the calculator on the prompt's expression (the
     prompt less its ``=``), the tool response as the turn loop renders it for the
-    ``tool_tags`` tokenizer (``rollout/tool_calls.ToolResponses``), then the calculator's
+    ``tool_tags`` tokenizer (``rollout/tools/calls.ToolResponses``), then the calculator's
     exact answer; the other completions stay as they were.
     """
     fmt, responses = FORMATS["hermes"], ToolResponses(build_tokenizer(tool_tags=True))

@@ -58,7 +58,7 @@ def write_policy(parts: Components, directory: Path, writer: bool) -> None:
         return
     write_weight_files(policy.whole_tensors(), directory, writer)
     if writer:
-        from honing.rollout.fast_decode import unwrap
+        from honing.rollout.native.fast_decode import unwrap
 
         base = unwrap(module)
         base.config.save_pretrained(directory)

@@ -39,7 +39,7 @@ from honing.pipeline.inputs import (
 from honing.pipeline.rules import advantage_settings, check_policy_routing, check_remote_routing
 from honing.rewards import Scorer
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
 from honing.trainer.critic import ValueModel
 from honing.trainer.engine import TrainedModule, TrainerEngine, make_layout
 from honing.trainer.layouts import Layout
@@ -218,7 +218,7 @@ def build_components(config: Config, log=print, group=None) -> Components:
     check_remote_routing(config, engine, next(iter(prompt_ids.values())))
     val_engine = local
     if rollout.tools:  # multi-turn: the engines' samples call the run's tools
-        from honing.rollout.multiturn import with_tools
+        from honing.rollout.tools.turns import with_tools
 
         engine, val_engine = with_tools(engine, local, tokenizer, rollout)
     trainers = Trainers(
@@ -377,8 +377,8 @@ def train_sampling(config: Config) -> SamplingParams:
 def speculation(config: Config, tokenizer, device: torch.device, policy=None):
     """``rollout.speculative``'s settings, with the draft model loaded or the MTP heads made
     for ``policy`` (None when off, or when the servers speculate)."""
-    from honing.rollout.fast_decode import supports
-    from honing.rollout.speculative import Speculation
+    from honing.rollout.native.fast_decode import supports
+    from honing.rollout.native.speculative import Speculation
 
     rollout = config.rollout
     if rollout.speculative in ("off", "server"):
@@ -390,7 +390,7 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
         )
     draft = None
     if rollout.speculative == "mtp":
-        from honing.rollout.mtp import MtpHeads
+        from honing.rollout.native.mtp import MtpHeads
 
         draft = MtpHeads(policy.config.hidden_size, rollout.spec_tokens).to(device)
     if rollout.speculative == "draft":
@@ -417,7 +417,7 @@ def vllm_engine(
     holds them (LoRA merged; embeddings grown for an added pad token included). On CUDA it
     samples in the trainer's autocast dtype where one is set."""
     from honing.models.loading import plain_weight_items
-    from honing.rollout.vllm_engine import CPU_KV_CACHE_MB, VLLMEngine, VLLMSettings, model_problem
+    from honing.rollout.vllm.engine import CPU_KV_CACHE_MB, VLLMEngine, VLLMSettings, model_problem
 
     rollout, policy = config.rollout, local.model
     problem = model_problem(policy.config, device.type)
@@ -466,7 +466,7 @@ def vllm_engine(
 def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
     """``rollout.engine=openai``: the servers at ``rollout.endpoints``; they must serve the
     policy's weights (``model.path``) and tokenizer."""
-    from honing.rollout.openai_engine import OpenAIEngine
+    from honing.rollout.remote.engine import OpenAIEngine
 
     rollout = config.rollout
     endpoints = [url for url in rollout.endpoints.split(",") if url.strip()]
@@ -490,7 +490,7 @@ def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
 def _routing_shape(policy):
     """What the servers' routed experts describe for R3: the policy's MoE routers."""
     from honing.models.moe import routers_of
-    from honing.rollout.routed_experts import RoutingShape
+    from honing.rollout.remote.routed_experts import RoutingShape
 
     routers = routers_of(policy)
     if routers is None:

@@ -59,7 +59,7 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
             return "transformers", f"{size}; vLLM in process does not take {what}"
     if importlib.util.find_spec("vllm") is None:
         return "transformers", f'{size}; vLLM is not installed: pip install -e ".[vllm]"'
-    from honing.rollout.vllm_engine import vllm_available
+    from honing.rollout.vllm.engine import vllm_available
 
     if (problem := vllm_available()) is not None:  # installed, but it does not import
         return "transformers", f"{size}; {problem}"

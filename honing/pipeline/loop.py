@@ -38,7 +38,7 @@ from honing.pipeline.schedules import Ahead, Inline, start_schedule
 from honing.pipeline.state import load_training_state, save_training_state
 from honing.pipeline.step_metrics import step_metrics
 from honing.pipeline.update import UpdateInputs, apply_update
-from honing.rollout.multiturn import tool_record
+from honing.rollout.tools.turns import tool_record
 from honing.seeds import step_seed, validation_seed
 from honing.trainer.mtp import train_mtp
 from honing.types import Rollout, Score

@@ -366,7 +366,7 @@ def _vllm(config: Config, world_size: int) -> None:
     rollout = config.rollout
     if rollout.engine != "vllm":
         return
-    from honing.rollout.vllm_engine import vllm_available
+    from honing.rollout.vllm.engine import vllm_available
 
     if (hint := vllm_available()) is not None:
         raise ConfigError(hint)
@@ -402,7 +402,7 @@ def _vllm(config: Config, world_size: int) -> None:
 
 
 def _tools(config: Config, world_size: int) -> None:
-    """Multi-turn rollouts with tools (rollout/multiturn.py) wrap the engine of one process;
+    """Multi-turn rollouts with tools (rollout/tools/turns.py) wrap the engine of one process;
     what they do not take yet is said in one line."""
     if not config.rollout.tools:
         return

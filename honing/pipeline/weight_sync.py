@@ -19,7 +19,7 @@ from functools import partial
 from honing.models.loading import plain_weight_items
 from honing.pipeline.components import Components
 from honing.rollout.base import Holding, RolloutEngine, WeightBucket, WeightStream
-from honing.rollout.mtp import MTP_PREFIX
+from honing.rollout.native.mtp import MTP_PREFIX
 
 
 def rollout_weights(parts: Components, engine: RolloutEngine) -> Iterator[WeightBucket]:

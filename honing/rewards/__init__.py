@@ -1,9 +1,10 @@
 """Rewards: the reward-function protocol and registry, the scorer that applies a failure
-policy, routing by data source (``routing``), the math and code verifiers (``math_verifier``,
-``code_verifier``, loaded on first use), the sandbox (``sandbox``) and the verifier-service
-client (``remote``). No torch here (layer 2); see ``registry`` for the signature."""
+policy, routing by data source (``routing``), the math and code verifiers (``math.verifier``,
+``code_verifier``, loaded on first use; the programs run in ``honing.sandbox``) and the
+verifier-service client (``remote``). No torch here (layer 2); see ``registry`` for the
+signature."""
 
-from honing.rewards.numeric import extract_answer, format_reward, numeric_reward, parse_number
+from honing.rewards.math.numeric import extract_answer, format_reward, numeric_reward, parse_number
 from honing.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardFn,

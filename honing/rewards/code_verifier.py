@@ -47,8 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from honing.rewards.sandbox import Limits, SandboxResult, resolve_backend
-from honing.rewards.zygote import ZygotePool
+from honing.sandbox.isolation import Limits, SandboxResult, resolve_backend
+from honing.sandbox.zygote import ZygotePool
 
 SCORINGS = ("all", "pass_rate")
 _FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)

@@ -15,7 +15,7 @@ details. A function may take ``**kwargs`` instead of naming every context keywor
 
 - a registered name: ``numeric`` (final answer equals the ground truth as a number),
   ``format`` (the response is a bare number), ``math`` (math answer equivalence,
-  ``honing.rewards.math_verifier``), ``code`` (programs run against tests in a sandbox,
+  ``honing.rewards.math.verifier``), ``code`` (programs run against tests in a sandbox,
   ``honing.rewards.code_verifier``), or one added with ``@register_reward``;
 - ``package.module:function``, imported like any Python module;
 - ``path/to/file.py:function``, loaded from the file (relative to the current directory).
@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from honing.errors import RewardError
-from honing.rewards.numeric import format_reward, numeric_reward
+from honing.rewards.math.numeric import format_reward, numeric_reward
 
 RewardFn = Callable[..., float | dict[str, Any]]
 
@@ -64,7 +64,7 @@ register_reward("format")(format_reward)
 
 # Built-ins whose modules load on first use (math-verify and the sandbox are not light).
 _LAZY_BUILTINS = {
-    "math": ("honing.rewards.math_verifier", "math_reward"),
+    "math": ("honing.rewards.math.verifier", "math_reward"),
     "code": ("honing.rewards.code_verifier", "code_reward"),
 }
 

@@ -8,7 +8,7 @@ function spec}``); a route key may be a shell pattern (``aime*``). A data source
 is an error at load time (``unrouted``), never a silent 0.
 
 Built-in names resolve to batch-capable verifiers sharing one worker budget
-(``reward.workers``): ``math`` (``honing.rewards.math_verifier``), ``code``
+(``reward.workers``): ``math`` (``honing.rewards.math.verifier``), ``code``
 (``honing.rewards.code_verifier``), plus the plain registry functions (``numeric``,
 ``format``) and user functions (``module:function``, ``file.py:function``).
 """
@@ -75,7 +75,7 @@ def build_builtin(spec: str, settings: VerifierSettings) -> Any:
     whatever ``load_reward_fn`` resolves."""
     workers = settings.workers or None
     if spec == "math":
-        from honing.rewards.math_verifier import MathVerifier
+        from honing.rewards.math.verifier import MathVerifier
 
         return MathVerifier(workers=workers, timeout_s=settings.math_timeout_s)
     if spec == "code":

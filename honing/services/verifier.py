@@ -42,7 +42,7 @@ def verifier_app(
     health = {"routes": table, "fallback": function or None, "workers": workers}
     if delay_s > 0:
         router, health["delay_s"] = _Delayed(router, delay_s), delay_s
-    from honing.rewards.sandbox import detect_backend
+    from honing.sandbox.isolation import detect_backend
 
     health["isolation"] = detect_backend()  # what code runs in: bwrap, unshare or none
     required = ("response", "ground_truth")

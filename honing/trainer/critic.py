@@ -19,7 +19,7 @@ from honing.algorithms.value import clipped_value_loss, explained_variance
 from honing.trainer.batch import TrainBatch
 from honing.trainer.engine import TrainerEngine
 from honing.trainer.policy_update import UpdateSettings, mini_batches, row_tokens
-from honing.trainer.sequence_parallel import SequenceGroup, gather_sequence, local_hidden
+from honing.trainer.ulysses.parallel import SequenceGroup, gather_sequence, local_hidden
 
 
 class ValueModel(nn.Module):

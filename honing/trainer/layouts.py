@@ -30,8 +30,8 @@ from torch import nn
 
 from honing.errors import ConfigError
 from honing.trainer.batch import response_logprobs
-from honing.trainer.sequence_packed import shared_logprobs
-from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
+from honing.trainer.ulysses.packed import shared_logprobs
+from honing.trainer.ulysses.parallel import SequenceGroup, use_ulysses
 
 
 class Layout(ABC):
@@ -65,7 +65,7 @@ class Layout(ABC):
     def logprobs(self, model: nn.Module, batch, **options) -> tuple:
         """``response_logprobs(model, batch, **options)`` as this layout runs a logprob pass:
         under SP every rank of the slot on the same rows, each its share of every sequence
-        (``sequence_packed.shared_logprobs``), the whole [B, R] on each."""
+        (``ulysses/packed.shared_logprobs``), the whole [B, R] on each."""
         if self.sp.world == 1:
             return response_logprobs(model, batch, **options)
         return shared_logprobs(model, batch, self.sp, **options)

@@ -1,4 +1,4 @@
-"""Online training of the multi-token-prediction heads (``honing.rollout.mtp``) from the
+"""Online training of the multi-token-prediction heads (``honing.rollout.native.mtp``) from the
 step's rollouts, with teacher forcing: the policy's hidden states (after its update, without
 gradient) start the chain at every response position, the true next tokens feed it, and head
 j is trained on the token j + 1 positions ahead. The heads have their own optimizer and loss;
@@ -12,8 +12,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from honing.rollout.fast_decode import unwrap
-from honing.rollout.mtp import MtpHeads, head_logits
+from honing.rollout.native.fast_decode import unwrap
+from honing.rollout.native.mtp import MtpHeads, head_logits
 from honing.trainer.batch import TrainBatch
 from honing.trainer.engine import TrainerEngine
 

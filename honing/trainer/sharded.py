@@ -43,7 +43,7 @@ from honing.trainer.layouts import (
     token_shares,
     with_ulysses,
 )
-from honing.trainer.sequence_packed import shared_logprobs
+from honing.trainer.ulysses.packed import shared_logprobs
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -9,8 +9,8 @@ from honing.models.moe import routers_of
 from honing.models.moe_mixing import find_mixing
 from honing.models.moe_stats import RouterStats, moe_metrics
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.fast_decode import FastDecoder
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
+from honing.rollout.native.fast_decode import FastDecoder
 from honing.trainer.batch import RouterTap, collate, response_logprobs
 from honing.trainer.engine import TrainedModule
 from honing.trainer.layouts import OneProcess

@@ -20,8 +20,8 @@ from honing.models.tiny import (
     tool_corpus,
     tools_corpus,
 )
-from honing.rollout.tool_calls import FORMATS, ToolResponses, parse_tool_calls, run_call
-from honing.rollout.tools import build_tools
+from honing.rollout.tools.calls import FORMATS, ToolResponses, parse_tool_calls, run_call
+from honing.rollout.tools.specs import build_tools
 
 HERMES = FORMATS["hermes"]
 

@@ -23,7 +23,7 @@ from honing.models.loading import (  # noqa: E402
     plain_weights,
 )
 from honing.pipeline.components import build_components  # noqa: E402
-from honing.rollout.fast_decode import FastDecoder, supports  # noqa: E402
+from honing.rollout.native.fast_decode import FastDecoder, supports  # noqa: E402
 from tests.models.moe_models import moe_model  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402

@@ -44,7 +44,7 @@ def test_the_heads_learn_what_follows_two_and_three_tokens_ahead(micro_model_dir
     """On fixed sequences with a pattern, a few dozen steps of ``train_mtp`` take the heads'
     loss down and head 1 (two tokens ahead) to the pattern."""
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.rollout.mtp import MtpHeads
+    from honing.rollout.native.mtp import MtpHeads
     from honing.trainer.batch import collate
     from honing.trainer.engine import TrainedModule
     from honing.trainer.mtp import train_mtp

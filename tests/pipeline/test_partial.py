@@ -22,7 +22,7 @@ from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.pipeline.partial import Group, PartialPool, Sample
 from honing.pipeline.rules import check_config
 from honing.rollout.base import SamplingParams
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
 from honing.types import Prompt
 
 from .test_loop_logic import ACCOUNTED, config, run, steps

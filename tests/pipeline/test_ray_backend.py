@@ -22,7 +22,7 @@ from honing.errors import ConfigError, UserError  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline.weight_sync import send_weights  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
-from honing.rollout.transformers_engine import TransformersEngine  # noqa: E402
+from honing.rollout.native.engine import TransformersEngine  # noqa: E402
 from tests import warm  # noqa: E402
 
 from ._configs import small_run_config  # noqa: E402

@@ -16,7 +16,7 @@ from honing.errors import UserError
 from honing.pipeline.run_lock import LOCK_FILE, RunLock
 from honing.pipeline.supervise import supervise
 from tests import warm
-from tests.rewards._processes import processes_with
+from tests.sandbox._processes import processes_with
 
 from ._configs import cli_args, small_run_config
 from ._warm_python import warm_python

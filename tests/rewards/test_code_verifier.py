@@ -7,7 +7,7 @@ import re
 import pytest
 
 from honing.rewards.code_verifier import CodeVerifier, code_reward, extract_program, verify_code
-from honing.rewards.sandbox import BACKENDS, Limits, backend_works
+from honing.sandbox.isolation import BACKENDS, Limits, backend_works
 
 FAST = Limits(timeout_s=3.0)
 SQUARE = {

@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from honing.rewards import math_exact as exact
-from honing.rewards.math_exact import Unsupported
+from honing.rewards.math import exact
+from honing.rewards.math.exact import Unsupported
 
 
 def test_roots_reduce_to_a_canonical_form():

@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from honing.rewards.math_exact import Unsupported
-from honing.rewards.math_expr import evaluate, parse_answer, variables
+from honing.rewards.math.exact import Unsupported
+from honing.rewards.math.expr import evaluate, parse_answer, variables
 
 
 def value(text, **env):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from honing.rewards.math_pool import MathPool
-from honing.rewards.math_verifier import MathVerifier
+from honing.rewards.math.pool import MathPool
+from honing.rewards.math.verifier import MathVerifier
 
 RUNAWAY = "$9^{9^{9^{9}}}$"
 # The deadline cuts a runaway short and leaves an honest check (0.1-0.2 s here) 15 times its

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from honing.rewards.math_verifier import (
+from honing.rewards.math.verifier import (
     MathVerifier,
     extract_answer,
     fast_check,

@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from honing.errors import RewardError
-from honing.rewards.numeric import extract_answer, format_reward, numeric_reward, parse_number
+from honing.rewards.math.numeric import extract_answer, format_reward, numeric_reward, parse_number
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ after the last tool response, never the tool's output (which is in ``Rollout.tex
 import pytest
 
 from honing.models.tiny import build_tokenizer
-from honing.rewards.math_verifier import extract_answer
-from honing.rewards.numeric import TOOL_RESPONSE_END, numeric_reward
-from honing.rollout.tool_calls import FALLBACK_RESPONSE, ToolResponses, ToolResult
+from honing.rewards.math.numeric import TOOL_RESPONSE_END, numeric_reward
+from honing.rewards.math.verifier import extract_answer
+from honing.rollout.tools.calls import FALLBACK_RESPONSE, ToolResponses, ToolResult
 
 CALL = (
     '<tool_call>{"name": "calculator", "arguments": {"expression": "96880963+752388"}}</tool_call>'

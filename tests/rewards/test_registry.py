@@ -7,7 +7,7 @@ import pytest
 
 from honing.errors import RewardError
 from honing.rewards import registry
-from honing.rewards.numeric import format_reward, numeric_reward
+from honing.rewards.math.numeric import format_reward, numeric_reward
 from honing.rewards.registry import REWARD_FUNCTIONS, load_reward_fn, register_reward
 
 REWARD_FILE = """
@@ -41,7 +41,7 @@ def test_register_reward_adds_a_name(monkeypatch):
 
 def test_module_function():
     assert load_reward_fn("json:dumps") is json.dumps
-    assert load_reward_fn("honing.rewards.numeric:numeric_reward") is numeric_reward
+    assert load_reward_fn("honing.rewards.math.numeric:numeric_reward") is numeric_reward
 
 
 def test_file_function_relative_to_current_directory(tmp_path, monkeypatch):
@@ -72,9 +72,9 @@ def test_missing_file(tmp_path, monkeypatch):
 
 def test_missing_attribute():
     with pytest.raises(
-        RewardError, match=r"honing\.rewards\.numeric has no attribute 'missing'"
+        RewardError, match=r"honing\.rewards\.math\.numeric has no attribute 'missing'"
     ) as error:
-        load_reward_fn("honing.rewards.numeric:missing")
+        load_reward_fn("honing.rewards.math.numeric:missing")
     assert_one_line(error)
 
 

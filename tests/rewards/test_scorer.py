@@ -5,7 +5,7 @@ import math
 import pytest
 
 from honing.errors import RewardError
-from honing.rewards.numeric import format_reward, numeric_reward
+from honing.rewards.math.numeric import format_reward, numeric_reward
 from honing.rewards.scorer import Scorer
 from honing.types import Prompt, Rollout
 

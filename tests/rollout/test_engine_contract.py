@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from honing.rollout.base import Holding, RolloutEngine
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
 
 
 def test_an_engine_without_a_required_method_fails_when_built():

@@ -19,8 +19,8 @@ from transformers import (
 from honing.models import llama_block
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.fast_decode import FastDecoder, supports
-from honing.rollout.transformers_engine import TransformersEngine, _HFDecoder, _left_pad
+from honing.rollout.native.engine import TransformersEngine, _HFDecoder, _left_pad
+from honing.rollout.native.fast_decode import FastDecoder, supports
 
 CPU = torch.device("cpu")
 PROMPTS = ["7+5=", "13+45=", "a", "99+9=", "+", "1234+5678="]

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools (rollout/multiturn.py): the turn loop over a scripted engine
+"""Multi-turn rollouts with tools (rollout/tools/turns.py): the turn loop over a scripted engine
 (what the model says is fixed, so the sequences can be written out by hand), the masks and
 logprobs the trainer gets, token exactness, and a slow tool that does not hold the others.
 
@@ -14,9 +14,9 @@ import torch
 from honing.errors import ConfigError
 from honing.models.loading import load_tokenizer
 from honing.rollout.base import GenerationRequest, Holding, RolloutEngine, SamplingParams
-from honing.rollout.multiturn import ToolEngine
-from honing.rollout.tool_calls import FALLBACK_RESPONSE
-from honing.rollout.tools import ToolSettings, build_tools
+from honing.rollout.tools.calls import FALLBACK_RESPONSE
+from honing.rollout.tools.specs import ToolSettings, build_tools
+from honing.rollout.tools.turns import ToolEngine
 from honing.trainer.batch import collate
 from honing.types import Rollout
 

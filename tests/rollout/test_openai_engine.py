@@ -9,7 +9,7 @@ import torch
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.openai_engine import (
+from honing.rollout.remote.engine import (
     EngineRequestError,
     EngineUnavailable,
     OpenAIEngine,
@@ -142,7 +142,7 @@ def test_a_bad_request_is_not_retried(servers, tokenizer):
         engine.generate([request], SamplingParams(max_seq_len=64))
     engine.close()
     with pytest.raises(EngineRequestError, match="token_id"):
-        from honing.rollout.openai_engine import _token_id
+        from honing.rollout.remote.engine import _token_id
 
         _token_id("hello")
 
@@ -373,7 +373,7 @@ def test_a_server_returns_its_mixture_of_experts_routing_for_replay(
     asks it for one sample per request. Either way an R3 run replays the server's experts
     (the trainer's live routers agree with them at the weights it sampled with)."""
     from honing.backends.launch import train
-    from honing.rollout.routed_experts import RoutingShape
+    from honing.rollout.remote.routed_experts import RoutingShape
 
     process, url = start_service("rollout", "--model", str(moe_dirs["qwen3_moe"]))
     sglang = SGLangWire(url)
@@ -423,7 +423,7 @@ def test_sglang_bytes_that_list_dense_layers_keep_the_moe_layers_rows():
     MoE layers; bytes that fit neither shape are no routing at all."""
     import base64
 
-    from honing.rollout.routed_experts import RoutingShape, sglang_experts
+    from honing.rollout.remote.routed_experts import RoutingShape, sglang_experts
 
     shape = RoutingShape(moe_layers=(1, 3), num_layers=4, top_k=2)
     rows = torch.arange(3 * 4 * 2, dtype=torch.int32).reshape(3, 4, 2)

@@ -11,9 +11,9 @@ from honing.data import warmstart_corpus
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.mtp import MtpHeads
-from honing.rollout.speculative import SpecStats, Speculation
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
+from honing.rollout.native.mtp import MtpHeads
+from honing.rollout.native.speculative import SpecStats, Speculation
 
 ROWS = 6000
 

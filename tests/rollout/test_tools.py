@@ -13,7 +13,7 @@ import pytest
 
 from honing.errors import ConfigError
 from honing.models.tiny import build_tokenizer
-from honing.rollout.tool_calls import (
+from honing.rollout.tools.calls import (
     FALLBACK_RESPONSE,
     ToolCall,
     ToolResponses,
@@ -23,8 +23,8 @@ from honing.rollout.tool_calls import (
     run_calls,
     tool_call_format,
 )
-from honing.rollout.tools import CalculatorError, build_tools, calculate
-from tests.rewards._processes import processes_with
+from honing.rollout.tools.specs import CalculatorError, build_tools, calculate
+from tests.sandbox._processes import processes_with
 
 TOOLS = build_tools(["python", "calculator"])
 OUTPUT_BYTES = 4096

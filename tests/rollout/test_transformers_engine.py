@@ -14,8 +14,8 @@ import torch
 
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
-from honing.rollout.sampling import filter_logits
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
+from honing.rollout.native.sampling import filter_logits
 from tests.rollout.continuing import continued
 
 CPU = torch.device("cpu")
@@ -275,7 +275,7 @@ def test_sampling_respects_top_k(engine, model, tokenizer):
 def test_stops_on_generation_config_eos_too(micro_model_dir):
     """Chat models end a turn with a token that is not the tokenizer's EOS (e.g. <|im_end|>)."""
     from honing.models.loading import load_causal_lm, load_tokenizer
-    from honing.rollout.transformers_engine import stop_token_ids
+    from honing.rollout.native.engine import stop_token_ids
 
     tokenizer = load_tokenizer(micro_model_dir)
     model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device=torch.device("cpu"))
@@ -284,7 +284,7 @@ def test_stops_on_generation_config_eos_too(micro_model_dir):
 
 
 def test_sample_categorical_draws_the_given_distribution():
-    from honing.rollout.sampling import sample_categorical
+    from honing.rollout.native.sampling import sample_categorical
 
     # Unnormalised weights 1 : 5 : 0 : 4 (the 0 is a token masked out by top-k / top-p).
     probs = torch.tensor([[0.1, 0.5, 0.0, 0.4]]).repeat(20000, 1) * 3.0
@@ -304,7 +304,7 @@ def test_sample_categorical_over_many_blocks_inverts_the_whole_cdf(extra):
     masked tokens, rows whose mass sits in one block), the two-level inversion draws the token
     that one float64 running sum over the whole vocabulary gives for the same uniform; masked
     tokens never."""
-    from honing.rollout.sampling import SAMPLE_BLOCK, sample_categorical
+    from honing.rollout.native.sampling import SAMPLE_BLOCK, sample_categorical
 
     vocab = SAMPLE_BLOCK * 4 + extra
     gen = torch.Generator().manual_seed(3)

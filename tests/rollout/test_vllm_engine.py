@@ -25,9 +25,9 @@ from honing.models.loading import (  # noqa: E402
     save_model,
 )
 from honing.rollout.base import GenerationRequest, Holding, SamplingParams  # noqa: E402
-from honing.rollout.sampling import filter_logits  # noqa: E402
-from honing.rollout.transformers_engine import TransformersEngine, stop_token_ids  # noqa: E402
-from honing.rollout.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
+from honing.rollout.native.engine import TransformersEngine, stop_token_ids  # noqa: E402
+from honing.rollout.native.sampling import filter_logits  # noqa: E402
+from honing.rollout.vllm.engine import VLLMEngine, VLLMSettings  # noqa: E402
 from honing.trainer.batch import collate, response_logprobs  # noqa: E402
 from honing.trainer.engine import buckets  # noqa: E402
 from tests.models.moe_models import moe_model  # noqa: E402

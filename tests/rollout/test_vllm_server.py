@@ -25,7 +25,7 @@ from honing.errors import ConfigError  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline.partial import PartialPool  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream  # noqa: E402
-from honing.rollout.openai_engine import EngineUnavailable, OpenAIEngine  # noqa: E402
+from honing.rollout.remote.engine import EngineUnavailable, OpenAIEngine  # noqa: E402
 from honing.services.process import free_port  # noqa: E402
 from honing.types import Prompt  # noqa: E402
 

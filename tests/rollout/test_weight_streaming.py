@@ -16,8 +16,8 @@ from honing.data import warmstart_corpus
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.models.tiny import TinySpec, build_tiny_model
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream
-from honing.rollout.openai_engine import EngineRequestError, OpenAIEngine
-from honing.rollout.weight_senders import _Untied
+from honing.rollout.remote.engine import EngineRequestError, OpenAIEngine
+from honing.rollout.remote.senders import _Untied
 from honing.trainer.engine import buckets
 from tests.warm import honing, start_service
 

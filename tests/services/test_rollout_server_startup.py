@@ -14,8 +14,8 @@ import torch
 from honing.cli import main
 from honing.errors import ConfigError, UserError
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.rollout.openai_engine import OpenAIEngine
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
+from honing.rollout.remote.engine import OpenAIEngine
 from honing.services.process import free_port
 from honing.services.rollout import rollout_app
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from honing.models.loading import load_causal_lm, load_tokenizer
-from honing.rollout.transformers_engine import TransformersEngine
+from honing.rollout.native.engine import TransformersEngine
 from honing.services.options import CompletionLimits
 from honing.services.rollout import rollout_app
 

@@ -18,8 +18,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from honing.models.moe import routers_of
 from honing.trainer import batch as batch_module
 from honing.trainer.batch import collate, response_logprobs
-from honing.trainer.sequence_packed import shared_logprobs
-from honing.trainer.sequence_parallel import SequenceGroup, check_model, use_ulysses
+from honing.trainer.ulysses.packed import shared_logprobs
+from honing.trainer.ulysses.parallel import SequenceGroup, check_model, use_ulysses
 from honing.types import Rollout
 from tests.models.moe_families import build, moe_families
 from tests.trainer.ranks import on_ranks

@@ -17,8 +17,8 @@ from honing.algorithms import logprobs_from_logits
 from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.memory import saved_bytes
 from honing.trainer.packed import packed_layout
-from honing.trainer.sequence_packed import packed_sequence_parallel_logprobs
-from honing.trainer.sequence_parallel import (
+from honing.trainer.ulysses.packed import packed_sequence_parallel_logprobs
+from honing.trainer.ulysses.parallel import (
     SequenceGroup,
     check_model,
     next_token_logprobs,

@@ -17,8 +17,8 @@ import torch
 from honing.models.moe import routers_of
 from honing.models.moe_stats import RouterStats, router_z_loss
 from honing.trainer.batch import RouterTap, response_logprobs
-from honing.trainer.sequence_packed import shared_logprobs
-from honing.trainer.sequence_parallel import SequenceGroup, use_ulysses
+from honing.trainer.ulysses.packed import shared_logprobs
+from honing.trainer.ulysses.parallel import SequenceGroup, use_ulysses
 from tests.models.moe_models import moe_model
 from tests.trainer.ranks import on_ranks
 

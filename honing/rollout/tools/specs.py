@@ -5,7 +5,7 @@ A tool is a name, a JSON schema in the OpenAI function-calling form (what
 ``tokenizer.apply_chat_template(messages, tools=[...])`` renders) and a callable. Built in:
 
 - ``python``: the ``code`` argument runs as a file in a fresh ``python3 -I`` inside honing's
-  sandbox (``rewards/sandbox.py``: no network, private directory, rlimits, the reward
+  sandbox (``sandbox/isolation.py``: no network, private directory, rlimits, the reward
   sandbox's ``Limits``), with the call's timeout; the result is stdout, then stderr, then
   ``[exit status N]`` when it did not exit with 0.
 - ``calculator``: an arithmetic ``expression`` (integers and decimal literals, ``+ - * / //
@@ -26,7 +26,7 @@ and returns a string (anything else is sent as JSON). User tools run in this pro
 trusted: what they print is not captured, and one that hangs past its timeout is reported
 and left running on its daemon thread (Python cannot kill a thread).
 
-How a turn's calls are parsed, run and answered is ``rollout/tool_calls.py``.
+How a turn's calls are parsed, run and answered is ``rollout/tools/calls.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 from honing.errors import ConfigError, RewardError
 from honing.rewards.registry import describe_error, load_callable
-from honing.rewards.sandbox import Limits, run_sandboxed, sandbox_python
+from honing.sandbox.isolation import Limits, run_sandboxed, sandbox_python
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 _CHECKS: dict[str, Callable[[Any], bool]] = {
@@ -91,7 +91,7 @@ class ToolSettings:
     tool_output_bytes: int = 4096
     """Bytes of UTF-8 kept of one call's output."""
     tool_format: str = "hermes"
-    """How calls are written in the model's text (``rollout/tool_calls.FORMATS``)."""
+    """How calls are written in the model's text (``rollout/tools/calls.FORMATS``)."""
 
 
 @dataclass(frozen=True)

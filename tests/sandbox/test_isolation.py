@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from honing.rewards.sandbox import (
+from honing.sandbox.isolation import (
     BACKENDS,
     Limits,
     _bwrap_sizes_tmpfs,

@@ -26,7 +26,7 @@ from honing.models.moe import Routers
 from honing.models.moe_stats import RouterStats
 from honing.trainer.batch import RouterTap
 from honing.trainer.packed import PackedLayout
-from honing.trainer.sequence_parallel import SequenceGroup
+from honing.trainer.ulysses.parallel import SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class RankTokens:
     @classmethod
     def of_rows(cls, batch, sp: SequenceGroup) -> RankTokens:
         """The model's own forward: the [B, T] rows, padded at their end to a multiple of N,
-        columns ``sp.bounds`` of each (``sequence_parallel.local_hidden``)."""
+        columns ``sp.bounds`` of each (``parallel.local_hidden``)."""
         rows, width = batch.input_ids.shape
         start, stop = sp.bounds(sp.padded(width))
         device = batch.input_ids.device
@@ -58,7 +58,7 @@ class RankTokens:
     @classmethod
     def of_stream(cls, layout: PackedLayout, sp: SequenceGroup) -> RankTokens:
         """The packed forward: the slice ``sp.bounds`` of the flat stream, padded at its end
-        (``sequence_packed``); every stream token is real."""
+        (``packed``); every stream token is real."""
         length = layout.ids.shape[0]
         start, stop = sp.bounds(sp.padded(length))
         index = torch.arange(start, stop, device=layout.sources.device)

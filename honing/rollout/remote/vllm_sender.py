@@ -9,7 +9,7 @@ read from ``GET /server_info``):
 - ``honing`` (any device, CPUs included): the bucket as a safetensors file in ``bucket_dir``
   (``/dev/shm`` by default, or ``rollout.weight_dir``: a directory the server sees), named in
   ``{"path": ...}``; the server's worker loads it and deletes it
-  (``honing.rollout.vllm_weights``, ``honing.rollout.vllm_transfer``).
+  (``honing.rollout.vllm.weights``, ``honing.rollout.vllm.transfer``).
 - ``nccl`` (CUDA on both sides): vLLM's own engine. The first sync opens an NCCL group with
   the server's workers (this process as rank 0, on an address that routes to the server and
   a free port); each bucket's names, dtypes and shapes go in ``/update_weights`` while its
@@ -31,10 +31,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from honing.rollout.base import WeightBuckets, WeightStream
-from honing.rollout.openai_http import Endpoint, EngineRequestError, Retryable
-from honing.rollout.vllm_checks import transfer_backend
-from honing.rollout.vllm_weights import write_bucket
-from honing.rollout.weight_senders import Failures, Post, WeightSender, _Untied
+from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
+from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied
+from honing.rollout.remote.vllm_checks import transfer_backend
+from honing.rollout.vllm.weights import write_bucket
 
 SHARED_MEMORY = "/dev/shm"
 

@@ -10,9 +10,9 @@ spacing macros, ``\\dfrac``/``\\tfrac`` (read as ``\\frac``), ``\\text{..}`` wra
 after a number (``\\text{ cm}``, ``5 dollars``, ``90^\\circ``, ``\\$``), thousands separators,
 a trailing full stop; ``x = 5`` becomes ``5`` in the parser.
 
-The fast path (``math_equivalence.fast_check``, with its grading rules) compares exactly,
+The fast path (``equivalence.fast_check``, with its grading rules) compares exactly,
 in process, with no sympy. What it cannot read or bound goes to the slow path: math-verify in
-a killable worker process (``math_pool``), on the extracted, normalised answer.
+a killable worker process (``pool``), on the extracted, normalised answer.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import threading
 from decimal import Decimal
 from typing import Any
 
-from honing.rewards import math_expr
-from honing.rewards.math_equivalence import fast_check
-from honing.rewards.math_exact import Unsupported
-from honing.rewards.math_pool import Job, MathPool
-from honing.rewards.numeric import TOOL_RESPONSE_END
+from honing.rewards.math import expr as math_expr
+from honing.rewards.math.equivalence import fast_check
+from honing.rewards.math.exact import Unsupported
+from honing.rewards.math.numeric import TOOL_RESPONSE_END
+from honing.rewards.math.pool import Job, MathPool
 
 MAX_REPORTED_CHARS = 200  # of the extracted answer in a result (results travel over HTTP)
 

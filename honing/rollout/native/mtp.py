@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from honing.rollout.fast_decode import unwrap
-from honing.rollout.sampling import sample_categorical
+from honing.rollout.native.fast_decode import unwrap
+from honing.rollout.native.sampling import sample_categorical
 
 MTP_PREFIX = "mtp_heads."  # the heads' keys among the weights sent to Ray rollout workers
 

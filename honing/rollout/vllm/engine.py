@@ -2,7 +2,7 @@
 
 vLLM's ``LLM`` runs here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), loaded from the policy's
 model directory; every weight version after that is loaded in place, bucket by bucket, with
-vLLM's layerwise reload (``vllm_weights.py``): no disk, no whole copy of the model. Each
+vLLM's layerwise reload (``weights.py``): no disk, no whole copy of the model. Each
 request samples with a seed of its own derived from the call's seed and the request's position,
 so a step's samples do not depend on history; the logprob of each sampled token is vLLM's
 ``processed_logprobs``, taken from the distribution the token was sampled from (after
@@ -30,8 +30,8 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.vllm_live import LiveRequests
-from honing.rollout.vllm_weights import begin_reload, finish_reload, load_pieces
+from honing.rollout.vllm.live import LiveRequests
+from honing.rollout.vllm.weights import begin_reload, finish_reload, load_pieces
 from honing.seeds import request_seed
 from honing.types import Rollout
 
@@ -90,7 +90,7 @@ def model_problem(model_config, device_type: str) -> str | None:
 
 
 def _begin_reload(worker) -> None:
-    """In vLLM's worker: ``vllm_weights.begin_reload``."""
+    """In vLLM's worker: ``weights.begin_reload``."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
@@ -98,7 +98,7 @@ def _begin_reload(worker) -> None:
 
 
 def _load_bucket(worker, bucket: list) -> set[str]:
-    """In vLLM's worker: ``vllm_weights.load_pieces`` (the parameter names loaded)."""
+    """In vLLM's worker: ``weights.load_pieces`` (the parameter names loaded)."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
@@ -106,7 +106,7 @@ def _load_bucket(worker, bucket: list) -> set[str]:
 
 
 def _finish_reload(worker) -> set[str]:
-    """In vLLM's worker: ``vllm_weights.finish_reload``; returns the names of the model's
+    """In vLLM's worker: ``weights.finish_reload``; returns the names of the model's
     parameters (a tied one once)."""
     from vllm.config import set_current_vllm_config
 
@@ -168,7 +168,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = self._start(max_seq_len, weights is not None, vocab_size)
         self._pinned = threading.local()  # the threads given ``_threads`` (_pin_threads)
         self._threads = self._omp_threads()
-        # without a prefix cache: keyed requests stay alive between calls (vllm_live.py)
+        # without a prefix cache: keyed requests stay alive between calls (live.py)
         self.keeps_kv = not self.settings.prefix_caching
         self._live = LiveRequests(self.llm, self._live_sampling)
         if weights is not None:

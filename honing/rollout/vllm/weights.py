@@ -27,12 +27,12 @@ BUCKET_SUFFIX = ".safetensors"
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: makes ``honing`` a weight-transfer backend
-    of vLLM (``honing.rollout.vllm_transfer``, imported only when a server uses it)."""
+    of vLLM (``honing.rollout.vllm.transfer``, imported only when a server uses it)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     with contextlib.suppress(ValueError):  # registered already in this process
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "honing.rollout.vllm_transfer", "SharedMemoryTransfer"
+            BACKEND, "honing.rollout.vllm.transfer", "SharedMemoryTransfer"
         )
 
 

@@ -1,7 +1,7 @@
 """Equivalence of two normalised answers, exactly, in process: the verifier's fast path.
 
-``fast_check`` parses both sides (``math_expr``) and compares them exactly: numbers,
-fractions, surds and pi through ``math_exact``; expressions in variables by evaluation at
+``fast_check`` parses both sides (``expr``) and compares them exactly: numbers,
+fractions, surds and pi through ``exact``; expressions in variables by evaluation at
 ``POINTS_NEEDED`` seeded random rational points (Schwartz-Zippel: two different rational
 functions agree at 3 random points with 21-bit numerators with negligible probability).
 It returns ``None`` (undecided) for what it cannot read or bound.
@@ -31,9 +31,9 @@ from fractions import Fraction
 from random import Random
 from typing import Any
 
-from honing.rewards import math_exact as exact
-from honing.rewards import math_expr
-from honing.rewards.math_exact import Unsupported
+from honing.rewards.math import exact
+from honing.rewards.math import expr as math_expr
+from honing.rewards.math.exact import Unsupported
 
 MAX_ANSWER_CHARS = 400
 POINTS_NEEDED = 3

@@ -62,8 +62,7 @@ import time
 import weakref
 from pathlib import Path
 
-from honing.rewards.processes import MARKER_ENV, kill_everything
-from honing.rewards.sandbox import (
+from honing.sandbox.isolation import (
     Limits,
     SandboxResult,
     _Capture,
@@ -73,6 +72,7 @@ from honing.rewards.sandbox import (
     resolve_backend,
     sandbox_python,
 )
+from honing.sandbox.processes import MARKER_ENV, kill_everything
 
 GRACE_S = 0.5
 """How long past the deadline the host waits for the zygote's reply before killing it."""

@@ -30,9 +30,14 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.fast_decode import FastDecoder, supports
-from honing.rollout.sampling import filter_logits, sample_categorical
-from honing.rollout.speculative import SpecStats, Speculation, merge_metrics, speculative_decode
+from honing.rollout.native.fast_decode import FastDecoder, supports
+from honing.rollout.native.sampling import filter_logits, sample_categorical
+from honing.rollout.native.speculative import (
+    SpecStats,
+    Speculation,
+    merge_metrics,
+    speculative_decode,
+)
 from honing.types import Rollout
 
 

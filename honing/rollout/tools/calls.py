@@ -34,7 +34,7 @@ from typing import Any
 
 from honing.errors import ConfigError
 from honing.rewards.registry import describe_error
-from honing.rollout.tools import Tool, ToolOutput, argument_problem
+from honing.rollout.tools.specs import Tool, ToolOutput, argument_problem
 
 TRUNCATED = "\n[truncated]"
 FALLBACK_RESPONSE = "<tool_response>\n{output}\n</tool_response>\n"

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from honing.rewards.processes import MARKER_ENV, count_processes, kill_everything
+from honing.sandbox.processes import MARKER_ENV, count_processes, kill_everything
 
 log = logging.getLogger(__name__)
 

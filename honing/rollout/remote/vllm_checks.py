@@ -1,5 +1,5 @@
 """The start-up checks of a vLLM server behind ``rollout.engine=openai``, beside those every
-server passes (``honing.rollout.openai_checks``). A vLLM server is one whose ``/v1/models``
+server passes (``honing.rollout.remote.checks``). A vLLM server is one whose ``/v1/models``
 entry is ``owned_by: vllm``. Each failure is one ``ConfigError`` naming the endpoint and the
 flag or variable to set.
 
@@ -32,7 +32,7 @@ PROCESSED = "--logprobs-mode processed_logprobs"
 
 PROMPT = "0123456789"  # the logprobs probe's prompt
 
-# openai_checks' request: (method, url, path, token, **httpx arguments) -> the answer; raises
+# checks' request: (method, url, path, token, **httpx arguments) -> the answer; raises
 # UserError when the server cannot be reached or refuses the token
 Ask = Callable[..., object]
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from honing.rollout.fast_decode import FastDecoder, unwrap
-from honing.rollout.mtp import MtpDraft
-from honing.rollout.sampling import sample_categorical
+from honing.rollout.native.fast_decode import FastDecoder, unwrap
+from honing.rollout.native.mtp import MtpDraft
+from honing.rollout.native.sampling import sample_categorical
 
 
 @dataclass

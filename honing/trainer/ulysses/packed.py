@@ -4,12 +4,12 @@ The flat stream of a batch (each distinct prompt once, then each row's response 
 cut into N contiguous slices, one a rank, padded at its end to a multiple of N with token 0
 at position 0 (no attention slot reads it and it predicts nothing). Each rank runs its slice's
 per-token work; in every block the attention step exchanges q/k/v for the whole stream's
-tokens and H/N heads (``sequence_parallel.to_sequence``), runs the packed block attention over
+tokens and H/N heads (``parallel.to_sequence``), runs the packed block attention over
 them (``packed_attention``: each row's prompt and response so far), and exchanges its output
 back. The head runs on the rank's own predictors; the [B, R] logprobs are summed over the
 group (a rank holds zeros at the other ranks' tokens) with a backward that passes the gradient
 through unchanged: every rank computes the same loss from them, and the ranks' parameter
-gradients sum to one process's, as in ``sequence_parallel``.
+gradients sum to one process's, as in ``parallel``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from honing.trainer.packed import (
     packed_hidden,
     packed_supported,
 )
-from honing.trainer.sequence_parallel import (
+from honing.trainer.ulysses.parallel import (
     SequenceGroup,
     check_model,
     local_head,
@@ -37,7 +37,7 @@ from honing.trainer.sequence_parallel import (
     to_heads,
     to_sequence,
 )
-from honing.trainer.sequence_routing import routed_pass
+from honing.trainer.ulysses.routing import routed_pass
 
 
 class _SumOver(torch.autograd.Function):
@@ -110,7 +110,7 @@ def shared_logprobs(
     """``response_logprobs``' pass with each row shared by the SP group: the packed forward
     where ``packed`` and the model takes it, else the model's own; ``options``: temperature,
     with_entropy, entropy_grad. A mixture-of-experts model routes as ``batch`` plans, and
-    ``tap`` takes what the group's routers saw (``sequence_routing``)."""
+    ``tap`` takes what the group's routers saw (``routing``)."""
     packed = packed and packed_supported(model) is True
 
     def run():

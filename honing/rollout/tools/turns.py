@@ -3,8 +3,8 @@ reads their output, and goes on.
 
 ``ToolEngine`` wraps any rollout engine. Each sample is generated turn by turn: a turn ends
 at the tool-call format's closing tag (a stop token of the call), the turn's calls are parsed
-(``tool_calls.parse_tool_calls``) and run on a thread pool, and their responses, rendered as
-the chat template renders tool messages (``tool_calls.ToolResponses``), are appended as
+(``calls.parse_tool_calls``) and run on a thread pool, and their responses, rendered as
+the chat template renders tool messages (``calls.ToolResponses``), are appended as
 tokens; the next turn continues from the prompt and every token so far. Token in, token out:
 the sequence trained is exactly the tokens the engine was given and returned, plus the tool
 responses' tokens; nothing is decoded and encoded again.
@@ -37,14 +37,14 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.tool_calls import (
+from honing.rollout.tools.calls import (
     ToolResponses,
     ToolResult,
     parse_tool_calls,
     run_call,
     tool_call_format,
 )
-from honing.rollout.tools import Tool, ToolSettings, build_tools
+from honing.rollout.tools.specs import Tool, ToolSettings, build_tools
 from honing.seeds import round_seed
 from honing.types import Rollout
 

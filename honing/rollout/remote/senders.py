@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from honing.rollout.base import WeightBucket, WeightBuckets, WeightStream
-from honing.rollout.openai_http import Endpoint, EngineRequestError, Retryable
+from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
 
 # (endpoint, path, **httpx request arguments) -> the JSON answer; raises Retryable
 Post = Callable[..., dict]

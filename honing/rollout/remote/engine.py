@@ -9,7 +9,7 @@ over the endpoints round-robin, several at once. Every choice must give its toke
 
 Start-up: the engine is made only once every endpoint answers, takes the token, serves the
 policy and tokenizes as its tokenizer does, and a ``weight_dir`` is writable
-(``honing.rollout.openai_checks``); otherwise a ``UserError`` says what to fix.
+(``honing.rollout.remote.checks``); otherwise a ``UserError`` says what to fix.
 
 Failures: a request that fails (connection refused or reset, timeout, HTTP 5xx or 429) is
 retried on another endpoint, up to ``retries`` times; the failing endpoint is set aside for
@@ -19,14 +19,14 @@ the call raises ``EngineUnavailable`` naming each endpoint's last error. A 4xx a
 request) is not retried: it raises at once with the server's message.
 
 Weights: ``load_weights(version, weights)`` has the sender of ``weight_sync``
-(``honing.rollout.weight_senders``; vLLM's RL API: ``honing.rollout.vllm_server``) send them,
+(``honing.rollout.remote.senders``; vLLM's RL API: ``honing.rollout.remote.vllm_sender``) send them,
 bucket by bucket, to every endpoint that is up; one that comes back holding other weights (a
 server whose ``/health`` does not say which it holds may) is sent the newest before it serves
 a request, or, when the sender cannot make them again, serves nothing until the next sync.
 
 Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
 the experts the server's routers chose, in vLLM's or SGLang's form
-(``honing.rollout.routed_experts``); against a server that routes only a response's first
+(``honing.rollout.remote.routed_experts``); against a server that routes only a response's first
 choice (SGLang's ``sglext``) the engine asks for each sample of a group in a request of its
 own.
 """
@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from honing.rollout import openai_http
 from honing.rollout.base import (
     GenerationRequest,
     Holding,
@@ -49,20 +48,21 @@ from honing.rollout.base import (
     SamplingParams,
     WeightBuckets,
 )
-from honing.rollout.openai_checks import check_servers, check_weight_dir
-from honing.rollout.openai_http import (
+from honing.rollout.remote import http as openai_http
+from honing.rollout.remote.checks import check_servers, check_weight_dir
+from honing.rollout.remote.http import (
     Endpoint,
     EngineRequestError,
     EngineUnavailable,
     Retryable,
 )
-from honing.rollout.routed_experts import (
+from honing.rollout.remote.routed_experts import (
     RoutingShape,
     routed_experts,
     routes_first_choice_only,
 )
-from honing.rollout.vllm_server import VLLMWeightSender
-from honing.rollout.weight_senders import make_sender
+from honing.rollout.remote.senders import make_sender
+from honing.rollout.remote.vllm_sender import VLLMWeightSender
 from honing.seeds import request_seed
 from honing.types import Rollout
 
@@ -113,7 +113,7 @@ class OpenAIEngine(RolloutEngine):
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
         self.weight_sync = weight_sync
-        self.sender = (  # vLLM's sender builds on weight_senders: it cannot be made there
+        self.sender = (  # vLLM's sender builds on senders: it cannot be made there
             VLLMWeightSender(self._post, self._get, weight_dir)
             if weight_sync == "vllm"
             else make_sender(weight_sync, self._post, weight_dir, model_dir)
@@ -297,7 +297,7 @@ class OpenAIEngine(RolloutEngine):
 
     def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
         """Has every endpoint sample from ``weights`` from now on, sent bucket by bucket by
-        the sender of ``weight_sync`` (``honing.rollout.weight_senders``).
+        the sender of ``weight_sync`` (``honing.rollout.remote.senders``).
 
         An endpoint that is down is set aside; when it is back it is sent the newest weights
         before it serves a request, if the sender can send them again (``disk``, or

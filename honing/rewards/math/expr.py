@@ -1,6 +1,6 @@
 """A small, bounded LaTeX answer parser for the math verifier's fast path.
 
-``parse_answer`` reads a normalised final answer (see ``math_verifier.normalize_answer``)
+``parse_answer`` reads a normalised final answer (see ``verifier.normalize_answer``)
 into one of:
 
 - ``("expr", node)``: a scalar expression: numbers, ``+ - * /``, ``\\cdot``, ``\\times``,
@@ -16,7 +16,7 @@ into one of:
 
 A node is a tuple: ``("num", Fraction, written_as_decimal)``, ``("var", name)``,
 ``(op, left, right)`` for ``add sub mul div pow``, ``("neg", a)``, ``("root", a, degree)``,
-``("fact", a)``, ``("binom", n, k)``. ``evaluate`` computes a node exactly (``math_exact``)
+``("fact", a)``, ``("binom", n, k)``. ``evaluate`` computes a node exactly (``exact``)
 with variables, ``\\pi`` and ``e`` replaced by the rationals in ``env``.
 
 Anything else (functions such as ``\\sin`` or ``\\log``, ``\\pm``, inequalities, matrices,
@@ -29,8 +29,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from honing.rewards import math_exact as exact
-from honing.rewards.math_exact import Unsupported, Value
+from honing.rewards.math import exact
+from honing.rewards.math.exact import Unsupported, Value
 
 Node = tuple[Any, ...]
 
@@ -306,7 +306,7 @@ def evaluate(node: Node, env: dict[str, Fraction]) -> Value:
     """The exact value of ``node`` with each variable set from ``env``.
 
     Raises:
-        Unsupported: beyond the fast path's limits (``math_exact``).
+        Unsupported: beyond the fast path's limits (``exact``).
         ZeroDivisionError: a zero denominator at this point.
         KeyError: a variable missing from ``env``.
     """

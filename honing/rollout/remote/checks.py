@@ -17,7 +17,7 @@ What is checked uses only what honing's server, vLLM and SGLang all expose:
   end-of-sequence token) must give the policy tokenizer's ids. A server without the endpoint
   (404 or 405) is not checked for it.
 - A vLLM server (``owned_by: vllm``): its logprobs mode, and what ``rollout.weight_sync`` needs
-  of it (``honing.rollout.vllm_checks``).
+  of it (``honing.rollout.remote.vllm_checks``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from honing.errors import ConfigError, UserError
-from honing.rollout.vllm_checks import check_vllm_server, is_vllm, refuse_other_server
+from honing.rollout.remote.vllm_checks import check_vllm_server, is_vllm, refuse_other_server
 
 PROBE = "0123456789 +-*/=()<>. The quick brown fox: jumps! ¿Qué? déjà 数学 🙂"
 _NO_TOKENIZE = {404, 405}
@@ -71,7 +71,7 @@ def check_servers(
             )
         chosen, first = chosen or str(entry.get("id")), first or url
         _check_tokenizer(client, url, token, chosen, tokenizer, model_dir)
-        if is_vllm(entry):  # its logprobs mode and RL API (honing.rollout.vllm_checks)
+        if is_vllm(entry):  # its logprobs mode and RL API (honing.rollout.remote.vllm_checks)
             check_vllm_server(partial(_request, client), url, token, chosen, tokenizer, weight_sync)
         elif weight_sync == "vllm":
             refuse_other_server(url)

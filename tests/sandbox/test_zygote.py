@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from honing.rewards.code_verifier import CodeVerifier
-from honing.rewards.sandbox import BACKENDS, Limits, backend_works
-from honing.rewards.zygote import GRACE_S, ZygotePool
+from honing.sandbox.isolation import BACKENDS, Limits, backend_works
+from honing.sandbox.zygote import GRACE_S, ZygotePool
 
 from ._processes import processes_with
 

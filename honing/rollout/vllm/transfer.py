@@ -1,11 +1,11 @@
 """honing's weight-transfer engine inside a vLLM server's workers (``--weight-transfer-config
 '{"backend": "honing"}'``): each ``/update_weights`` names a bucket file the trainer wrote
-(``honing.rollout.vllm_weights``), which the worker loads through vLLM's layerwise reload
+(``honing.rollout.vllm.weights``), which the worker loads through vLLM's layerwise reload
 and deletes. It runs on any device vLLM runs on, CPUs included, where vLLM's own engines
 (NCCL, CUDA IPC) need CUDA.
 
 vLLM imports this module in its worker processes only (the factory's lazy path, registered
-by ``vllm_weights.register``), so it imports vllm at the top; nothing in honing imports it.
+by ``weights.register``), so it imports vllm at the top; nothing in honing imports it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from honing.rollout.vllm_weights import begin_reload, finish_reload, load_pieces, read_bucket
+from honing.rollout.vllm.weights import begin_reload, finish_reload, load_pieces, read_bucket
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 from honing.errors import RewardError
 
 RELATIVE_TOLERANCE = Fraction(1, 10**6)
-# Where a Hermes tool response ends (rollout/tool_calls.FALLBACK_RESPONSE, chat templates).
+# Where a Hermes tool response ends (rollout/tools/calls.FALLBACK_RESPONSE, chat templates).
 TOOL_RESPONSE_END = "</tool_response>"
 
 # A number inside prose: optional sign (not after a word or bracket, where "-" is an
