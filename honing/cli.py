@@ -141,7 +141,7 @@ def _rollout_app(ns: argparse.Namespace):
     model = load_causal_lm(path, tokenizer, dtype=ns.dtype, device=device)
     speculation = None
     if ns.speculative != "off":
-        from honing.pipeline.components import speculation as build_speculation
+        from honing.pipeline.rollout_engines import speculation as build_speculation
 
         settings = {"rollout.speculative": ns.speculative, "rollout.spec_tokens": ns.spec_tokens}
         settings |= {"rollout.spec_draft": ns.spec_draft, "model.dtype": ns.dtype}

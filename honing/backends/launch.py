@@ -12,7 +12,7 @@ from pathlib import Path
 
 from honing.backends import torchrun
 from honing.config import Config
-from honing.pipeline.engine_choice import choose_engine
+from honing.pipeline.rollout_engines import choose_engine
 from honing.pipeline.rules import check_config
 from honing.pipeline.run import check_run_dir, stderr_log, train_here
 

@@ -12,8 +12,8 @@ import ray
 from honing.backends.ray_pools import Report, _Pool, _Worker
 from honing.config import Config
 from honing.models.loading import load_tokenizer, resolve_device
-from honing.pipeline.components import frozen_model, local_engine
 from honing.pipeline.inputs import build_scorer
+from honing.pipeline.rollout_engines import frozen_model, local_engine
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
@@ -39,7 +39,7 @@ class RolloutWorker:
         torch.set_num_threads(max(threads, 1))
         device = resolve_device(config.model.device)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.model.trust_remote_code)
-        model = frozen_model(Path(model_dir), tokenizer, config, device)
+        model = frozen_model(Path(model_dir), tokenizer, config.model, device)
         self.engine = local_engine(config, model, tokenizer, device)  # its own copy
 
     def ready(self) -> bool:

@@ -1,5 +1,5 @@
-"""Build every part of a run from the config: model, trainer engines, rollout engines, data,
-scorer, settings.
+"""Build every part of a run from the config: model, trainer engines, data, scorer, settings,
+and the rollout engines through ``rollout_engines``.
 
 This is the one place that reads the config tree and hands plain values to the layers below
 (the data and the scorer: ``inputs``; the rules between keys: ``rules``, checked before).
@@ -18,7 +18,6 @@ from honing.algorithms.advantage_registry import AdvantageSettings
 from honing.algorithms.kl_control import KLController
 from honing.config import Config
 from honing.data import PromptSource, warmstart_corpus
-from honing.errors import ConfigError
 from honing.models.loading import (
     apply_lora,
     check_mergeable,
@@ -36,6 +35,7 @@ from honing.pipeline.inputs import (
     load_datasets,
     tokenize_prompts,
 )
+from honing.pipeline.rollout_engines import build_rollout_engines, frozen_model, train_sampling
 from honing.pipeline.rules import advantage_settings, check_policy_routing, check_remote_routing
 from honing.rewards import Scorer
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
@@ -160,15 +160,6 @@ def update_settings(config: Config) -> UpdateSettings:
     )
 
 
-def frozen_model(path: Path, tokenizer, config: Config, device: torch.device):
-    """A causal LM that is only read (the reference, a draft): eval mode, no gradients."""
-    m = config.model
-    model = load_causal_lm(
-        path, tokenizer, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code
-    ).eval()
-    return model.requires_grad_(False)
-
-
 def build_components(config: Config, log=print, group=None) -> Components:
     """The run's parts from ``config`` (checked by ``rules.check_config`` first). ``group``:
     the torchrun process group, when the run has several ranks; the policy and the critic
@@ -199,28 +190,17 @@ def build_components(config: Config, log=print, group=None) -> Components:
         log(f"trainer.packed_forward: logprob passes use the model's own forward ({reason})")
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
-        reference = trainer.lay_out_alike(frozen_model(model_path, tokenizer, config, device))
+        reference = trainer.lay_out_alike(frozen_model(model_path, tokenizer, m, device))
     rendered, prompt_ids = tokenize_prompts(
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
     train, val, skipped = keep_tokenized(train, val, skipped, prompt_ids)
     holds = Holding.SHARED if sampler is policy else Holding.COPY
-    local = local_engine(config, sampler, tokenizer, device, holds)
-    if rollout.engine == "vllm":
-        engine = vllm_engine(config, local, model_path, device, trainer)
-    elif rollout.engine == "openai":
-        engine = remote_engine(config, local, model_path)
-    else:  # transformers, or auto where nothing chose (launch.train chooses)
-        engine = local
-    if engine is local and rollout.fast_decode and not local.fast_decode:
-        reason = local.fast_decode_reason
-        log(f"rollout.fast_decode: generation uses the model's own forward ({reason})")
-    check_remote_routing(config, engine, next(iter(prompt_ids.values())))
-    val_engine = local
-    if rollout.tools:  # multi-turn: the engines' samples call the run's tools
-        from honing.rollout.tools.turns import with_tools
-
-        engine, val_engine = with_tools(engine, local, tokenizer, rollout)
+    engines = build_rollout_engines(
+        config, sampler, tokenizer, device, holds, model_path, trainer, log=log
+    )
+    check_remote_routing(config, engines.train, next(iter(prompt_ids.values())))
+    engine, val_engine, local = engines.with_tools(tokenizer, rollout)
     trainers = Trainers(
         policy=trainer,
         critic=critic_trainer(config, model_path, tokenizer, device, layout),
@@ -340,160 +320,3 @@ def mtp_trainer(config: Config, local: TransformersEngine):
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.rollout.mtp_lr)
     bucket_bytes = config.rollout.weight_bucket_mb << 20
     return TrainedModule("mtp", heads, optimizer, serves_generation=True, bucket_bytes=bucket_bytes)
-
-
-def local_engine(
-    config: Config, model, tokenizer, device: torch.device, holds: Holding = Holding.COPY
-) -> TransformersEngine:
-    """Honing's in-process engine on ``model`` with the config's rollout settings (batching,
-    fast decode, speculation, generation timeout): the run's (``holds``: ``SHARED`` when
-    ``model`` is the trained policy itself), a Ray worker's, ``honing eval``'s."""
-    rollout = config.rollout
-    return TransformersEngine(
-        model,
-        tokenizer,
-        device=device,
-        holds=holds,
-        generation_batch=rollout.generation_batch,
-        fast_decode=rollout.fast_decode,
-        speculation=speculation(config, tokenizer, device, model),
-        gen_timeout_s=rollout.gen_timeout_s,
-    )
-
-
-def train_sampling(config: Config) -> SamplingParams:
-    """How the training batches are sampled (validation changes n, greedy and the seed)."""
-    rollout = config.rollout
-    return SamplingParams(
-        n=rollout.group_size,
-        max_new_tokens=rollout.max_new_tokens,
-        max_seq_len=rollout.max_seq_len,
-        temperature=rollout.temperature,
-        top_k=rollout.top_k,
-        top_p=rollout.top_p,
-    )
-
-
-def speculation(config: Config, tokenizer, device: torch.device, policy=None):
-    """``rollout.speculative``'s settings, with the draft model loaded or the MTP heads made
-    for ``policy`` (None when off, or when the servers speculate)."""
-    from honing.rollout.native.fast_decode import supports
-    from honing.rollout.native.speculative import Speculation
-
-    rollout = config.rollout
-    if rollout.speculative in ("off", "server"):
-        return None
-    reason = supports(policy) if policy is not None else True
-    if reason is not True:
-        raise ConfigError(
-            f"rollout.speculative needs the fast decode path, which this policy lacks: {reason}"
-        )
-    draft = None
-    if rollout.speculative == "mtp":
-        from honing.rollout.native.mtp import MtpHeads
-
-        draft = MtpHeads(policy.config.hidden_size, rollout.spec_tokens).to(device)
-    if rollout.speculative == "draft":
-        draft = frozen_model(
-            check_model_dir(rollout.spec_draft, "rollout.spec_draft"), tokenizer, config, device
-        )
-        reason = supports(draft)
-        if reason is not True:
-            raise ConfigError(f"rollout.spec_draft: the draft must be Llama-family ({reason})")
-    return Speculation(
-        rollout.speculative,
-        rollout.spec_tokens,
-        rollout.spec_min_accept,
-        rollout.spec_probe_every,
-        draft,
-    )
-
-
-def vllm_engine(
-    config: Config, local: TransformersEngine, model_dir: Path, device, trainer: TrainerEngine
-):
-    """``rollout.engine=vllm``: vLLM in this process, built from ``model_dir``'s config with
-    the rollout settings, the policy's stop tokens and the policy's weights as ``trainer``
-    holds them (LoRA merged; embeddings grown for an added pad token included). On CUDA it
-    samples in the trainer's autocast dtype where one is set."""
-    from honing.models.loading import plain_weight_items
-    from honing.rollout.vllm.engine import CPU_KV_CACHE_MB, VLLMEngine, VLLMSettings, model_problem
-
-    rollout, policy = config.rollout, local.model
-    problem = model_problem(policy.config, device.type)
-    if problem is not None:
-        raise ConfigError(f"rollout.engine=vllm: {problem}; use rollout.engine=transformers")
-    dtype, kv_cache_mb = config.model.dtype, rollout.vllm_kv_cache_mb
-    if device.type == "cuda" and config.trainer.autocast != "none":
-        dtype = config.trainer.autocast
-    if device.type != "cuda":
-        kv_cache_mb = kv_cache_mb or CPU_KV_CACHE_MB
-    settings = VLLMSettings(
-        kv_cache_mb=kv_cache_mb,
-        enforce_eager=rollout.vllm_enforce_eager,
-        gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-        sleep=rollout.vllm_sleep,
-        max_num_seqs=rollout.generation_batch,
-        dtype=dtype,
-        seed=config.trainer.seed,
-        # partial rollouts keeping a sample's cache keep its vLLM request alive instead
-        prefix_caching=config.schedule.partial_kv != "keep",
-    )
-    try:
-        return VLLMEngine(
-            model_dir,
-            local.tokenizer,
-            stop_ids=local.stop_ids,
-            # vLLM refuses a length past the model's positions (honing's engine stops there)
-            max_seq_len=min(
-                rollout.max_seq_len,
-                getattr(policy.config, "max_position_embeddings", None) or rollout.max_seq_len,
-            ),
-            settings=settings,
-            device_type=device.type,
-            weights=trainer.weights(plain_weight_items),
-            vocab_size=policy.get_input_embeddings().weight.shape[0],
-        )
-    except ValueError as err:  # the policy's weights do not fit vLLM's model
-        why = str(err).splitlines()[0].split(". ")[0].rstrip(".")
-        if "rollout.engine=transformers" not in why:
-            why = f"vLLM's model does not take the policy's weights ({why}); use " + (
-                "rollout.engine=transformers"
-            )
-        raise ConfigError(f"rollout.engine=vllm: {why}") from None
-
-
-def remote_engine(config: Config, local: TransformersEngine, model_dir: Path):
-    """``rollout.engine=openai``: the servers at ``rollout.endpoints``; they must serve the
-    policy's weights (``model.path``) and tokenizer."""
-    from honing.rollout.remote.engine import OpenAIEngine
-
-    rollout = config.rollout
-    endpoints = [url for url in rollout.endpoints.split(",") if url.strip()]
-    return OpenAIEngine(
-        endpoints,
-        local.tokenizer,
-        model=rollout.model_name,
-        timeout_s=rollout.timeout_s,
-        retries=rollout.retries,
-        max_concurrency=rollout.max_concurrency,
-        token=os.environ.get("HONING_ROLLOUT_TOKEN", ""),
-        stop_ids=local.stop_ids,
-        weight_sync=rollout.weight_sync,
-        weight_dir=rollout.weight_dir,
-        model_dir=str(model_dir),
-        spec_metrics=rollout.speculative == "server",
-        routing=_routing_shape(local.model) if config.algorithm.routing_replay == "R3" else None,
-    )
-
-
-def _routing_shape(policy):
-    """What the servers' routed experts describe for R3: the policy's MoE routers."""
-    from honing.models.moe import routers_of
-    from honing.rollout.remote.routed_experts import RoutingShape
-
-    routers = routers_of(policy)
-    if routers is None:
-        return None
-    total = routers.model.config.num_hidden_layers
-    return RoutingShape(tuple(routers.layer_numbers), total, routers.top_k)

@@ -28,9 +28,9 @@ from honing.config import Config
 from honing.errors import UserError
 from honing.monitor import RunLogger
 from honing.pipeline.components import build_components
-from honing.pipeline.engine_choice import choose_engine
 from honing.pipeline.inputs import build_scorer, check_ground_truths, load_datasets
 from honing.pipeline.loop import TrainLoop
+from honing.pipeline.rollout_engines import choose_engine
 from honing.pipeline.rules import check_config
 from honing.rewards.registry import describe_error
 from honing.rewards.remote import score_url

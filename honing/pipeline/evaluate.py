@@ -23,7 +23,7 @@ from honing.models.loading import (
     peft_quietly,
     resolve_device,
 )
-from honing.pipeline.components import local_engine, resolve_model_path, train_sampling
+from honing.pipeline.components import resolve_model_path
 from honing.pipeline.inputs import (
     build_scorer,
     check_ground_truths,
@@ -31,6 +31,7 @@ from honing.pipeline.inputs import (
     load_datasets,
     tokenize_prompts,
 )
+from honing.pipeline.rollout_engines import local_engine, train_sampling
 from honing.pipeline.rules import check_config
 from honing.rewards import Scorer
 from honing.rollout.base import GenerationRequest, RolloutEngine, SamplingParams

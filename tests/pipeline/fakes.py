@@ -26,10 +26,10 @@ from honing.pipeline.components import (
     Components,
     Trainers,
     policy_trainer,
-    train_sampling,
     update_settings,
 )
 from honing.pipeline.inputs import build_scorer, tokenize_prompts
+from honing.pipeline.rollout_engines import train_sampling
 from honing.pipeline.rules import advantage_settings
 from honing.rollout.base import Holding, RolloutEngine
 from honing.trainer.layouts import OneProcess

@@ -212,7 +212,7 @@ def test_speculation_on_a_policy_without_the_fast_path_is_a_config_error(tmp_pat
     from honing.config import build_config
     from honing.errors import ConfigError
     from honing.models.tiny import build_tokenizer
-    from honing.pipeline.components import speculation
+    from honing.pipeline.rollout_engines import speculation
 
     tokenizer = build_tokenizer()
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2))

@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 
 from honing.config import build_config
-from honing.pipeline import engine_choice
-from honing.pipeline.engine_choice import VLLM_FROM_PARAMETERS, choose_engine
+from honing.pipeline import rollout_engines as engine_choice
+from honing.pipeline.rollout_engines import VLLM_FROM_PARAMETERS, choose_engine
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
