@@ -22,6 +22,7 @@ _TEMPERATURE = Range(0)
 _TOP_P = Range(0, 1, low_open=True)
 _TOP_K = Range(-1)  # -1 or 0: off
 _SEED = Range(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_STOP_IDS = 1024  # a turn loop ends a turn on a few; checking each token costs their number
 
 
 def field(body: dict[str, Any], key: str, default: float, allowed: Range, integer=False):
@@ -49,11 +50,14 @@ def field(body: dict[str, Any], key: str, default: float, allowed: Range, intege
     return number
 
 
-def sampling_from_request(body: dict[str, Any], limits: CompletionLimits) -> SamplingParams:
+def sampling_from_request(
+    body: dict[str, Any], limits: CompletionLimits, vocab_size: int
+) -> SamplingParams:
     """The OpenAI/vLLM sampling fields of ``body`` as honing's ``SamplingParams``.
 
     Raises:
-        Refused: a field out of its range or over the server's bounds.
+        Refused: a field out of its range or over the server's bounds, or a stop token id
+            outside ``0..vocab_size-1``.
     """
     n = field(body, "n", 1, Range(1, limits.max_sequences), integer=True)
     max_tokens = field(body, "max_tokens", 16, Range(1, limits.max_tokens), integer=True)
@@ -68,15 +72,26 @@ def sampling_from_request(body: dict[str, Any], limits: CompletionLimits) -> Sam
         top_p=float(field(body, "top_p", 1.0, _TOP_P)),
         greedy=greedy,
         seed=field(body, "seed", 0, _SEED, integer=True),
-        stop_ids=_stop_ids(body),
+        stop_ids=_stop_ids(body, vocab_size),
     )
 
 
-def _stop_ids(body: dict[str, Any]) -> tuple[int, ...]:
+def _stop_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
     """``stop_token_ids``: token ids that end a response besides the model's own."""
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-        raise Refused(f"stop_token_ids: expected a list of token ids, got {str(ids)[:60]!r}")
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    expected = (
+        f"stop_token_ids: expected a list of at most {MAX_STOP_IDS} token ids in "
+        f"0..{vocab_size - 1}"
+    )
+    if not isinstance(ids, list):
+        raise Refused(f"{expected}, got {str(ids)[:60]!r}")
+    if len(ids) > MAX_STOP_IDS:
+        raise Refused(f"{expected}, got {len(ids)} of them")
+    bad = next((i for i in ids if not (_is_id(i) and 0 <= i < vocab_size)), None)
+    if bad is not None:
+        raise Refused(f"{expected}, got {repr(bad)[:60]}")
     return tuple(ids)
 
 
@@ -104,15 +119,39 @@ def prompts_from_request(
     rows = []
     for index, item in enumerate(prompt):
         if isinstance(item, str):
-            item = tokenizer(item, add_special_tokens=False)["input_ids"]
+            item = encode(tokenizer, item, f"prompt[{index}]", add_special_tokens=False)
         elif not (isinstance(item, list) and _ids(item)):
             raise Refused(f"prompt: expected token ids or text, got {str(item)[:60]!r}")
         rows.append(_checked(item, index, vocab_size, limits.max_seq_len))
     return rows
 
 
+def encode(tokenizer, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids.
+
+    Raises:
+        Refused: ``text`` is not valid Unicode (JSON lets a string hold a lone surrogate,
+            which no encoding can write), or the tokenizer cannot encode it.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise Refused(
+            f"{where}: not valid Unicode ({err.reason} at character {err.start}); expected text"
+        ) from None
+    try:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as err:  # noqa: BLE001 - whatever the tokenizer refuses is the request's fault
+        reason = " ".join(str(err).split())[:160]  # one line
+        raise Refused(f"{where}: the tokenizer cannot encode it ({reason})") from None
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _ids(values: list) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+    return all(_is_id(t) for t in values)
 
 
 def _checked(ids: list[int], index: int, vocab_size: int, max_seq_len: int) -> list[int]:

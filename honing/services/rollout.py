@@ -32,8 +32,9 @@ Endpoints:
 Bounds (the server has no token by default, so whoever reaches it may send anything): a
 completion request may ask for at most ``--max-sequences`` completions (prompts times ``n``,
 default 1024) of at most ``--max-tokens`` tokens each (default 4096), and each prompt must
-leave room for a response under ``--max-seq-len`` (default 4096); token ids must be in the
-model's vocabulary; numbers must be finite and in range (``honing.services.completion_request``).
+leave room for a response under ``--max-seq-len`` (default 4096); token ids (a prompt's and
+at most 1,024 ``stop_token_ids``) must be in the model's vocabulary; text must be valid Unicode;
+numbers must be finite and in range (``honing.services.completion_request``).
 A JSON body is at most 64 MiB. Anything past these is a 400 (413 for a body) naming the field.
 A weight update is checked tensor by tensor against the served model and applied all at once
 or not at all, in one request or bucket by bucket (``honing.services.rollout_weights``).
@@ -66,6 +67,7 @@ from fastapi.responses import JSONResponse
 from honing.rollout.base import GenerationRequest
 from honing.services.app import Refused, create_app, read_body
 from honing.services.completion_request import (
+    encode,
     field,
     prompts_from_request,
     sampling_from_request,
@@ -132,8 +134,8 @@ class _Served:
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A completion request's answer (every field checked before anything runs)."""
         engine = self.engine
-        params = sampling_from_request(body, self.limits)
         vocab_size = engine.model.get_input_embeddings().num_embeddings
+        params = sampling_from_request(body, self.limits, vocab_size)
         rows = prompts_from_request(body, engine.tokenizer, vocab_size, self.limits, params.n)
         requests = [GenerationRequest(str(i), ids, i) for i, ids in enumerate(rows)]
         with self.turn:
@@ -188,8 +190,8 @@ class _Served:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise Refused("prompt: expected text")
-        special = body.get("add_special_tokens", True)
-        tokens = self.engine.tokenizer(prompt, add_special_tokens=bool(special))["input_ids"]
+        special = bool(body.get("add_special_tokens", True))
+        tokens = encode(self.engine.tokenizer, prompt, "prompt", add_special_tokens=special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_seq_len}
 
     def models(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ generates: these requests are answered before any generation), the bounds and ra
 completion request, and weight updates that do not fit the served model (over the micro model
 served in process)."""
 
+import json
 import socket
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
 from honing.services.options import CompletionLimits
 from honing.services.rollout import rollout_app
@@ -258,7 +260,7 @@ def test_values_a_sampler_cannot_take_are_400_naming_the_field(serve, engine):
         ({"n": 2.5}, "n: expected a whole number, got 2.5"),
         ({"n": True}, "n: expected a number, got 'True'"),
         ({"max_tokens": 0}, "max_tokens: expected 1..4096, got 0"),
-        ({"stop_token_ids": [5, "x"]}, "stop_token_ids: expected a list of token ids"),
+        ({"stop_token_ids": [5, "x"]}, "stop_token_ids: expected a list of at most 1024 token"),
     ):
         answer = _complete(url, **fields)
         assert answer.status_code == 400 and _message(answer).startswith(problem), fields
@@ -278,3 +280,74 @@ def test_a_request_s_stop_token_ids_end_its_responses(serve, engine):
     choice = cut.json()["choices"][0]
     assert choice["token_ids"] == ids[: ids.index(ids[1]) + 1]
     assert choice["finish_reason"] == "stop"
+
+
+def test_stop_token_ids_must_be_a_bounded_list_of_the_models_token_ids(serve, engine):
+    url = serve(rollout_app(engine, model_name="m"))
+    expected = "stop_token_ids: expected a list of at most 1024 token ids in 0..98"
+    for ids, got in (
+        ([2**63], f"got {2**63}"),
+        ([5, 99], "got 99"),
+        ([-1], "got -1"),
+        ([5, 1.5], "got 1.5"),
+        ([True], "got True"),
+        ("5", "got '5'"),
+        (list(range(99)) * 2021, "got 200079 of them"),
+    ):
+        answer = _complete(url, stop_token_ids=ids)
+        assert answer.status_code == 400, ids[:3]
+        assert _message(answer) == f"{expected}, {got}", ids[:3]
+    assert _complete(url, stop_token_ids=[0, 98] * 512).status_code == 200
+    assert _complete(url, stop_token_ids=None).status_code == 200
+
+
+def test_the_engine_refuses_stop_ids_outside_the_vocabulary(engine):
+    request = [GenerationRequest("0", [5, 6], 0)]
+    for stop in (2**63, 99, -1):
+        with pytest.raises(ValueError, match=rf"stop_ids: {stop} is not a token id of this model"):
+            engine.generate(request, SamplingParams(max_new_tokens=2, stop_ids=(stop,)))
+    assert len(engine.generate(request, SamplingParams(max_new_tokens=2, stop_ids=(98,)))) == 1
+
+
+def test_prompts_that_cannot_be_tokenized_are_400(serve, engine):
+    """A lone surrogate (valid JSON, not valid Unicode) in a completion's or a tokenize
+    request's text."""
+    url = serve(rollout_app(engine, model_name="m"))
+    for path, body, problem in (
+        ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt[0]: not valid Unicode"),
+        ("/v1/completions", '{"prompt": ["ok", "\\udfff"]}', "prompt[1]: not valid Unicode"),
+        ("/tokenize", '{"prompt": "\\ud800"}', "prompt: not valid Unicode"),
+    ):
+        answer = httpx.post(f"{url}{path}", content=body, timeout=30)
+        assert answer.status_code == 400, body
+        assert _message(answer).startswith(problem), body
+
+
+def test_no_completion_body_is_answered_500(serve, engine):
+    """Odd bodies, each refused with a 4xx naming the field."""
+    url = serve(rollout_app(engine, model_name="m"))
+    huge = 2**64
+    for fields in (
+        {"prompt": [[huge]]},
+        {"prompt": [huge, 5]},
+        {"prompt": [[5], "\ud800"]},
+        {"prompt": {"a": 1}},
+        {"prompt": [[5], {"a": 1}]},
+        {"prompt": [[]]},
+        {"n": huge},
+        {"max_tokens": -huge},
+        {"seed": "1e400"},
+        {"top_p": "-inf"},
+        {"temperature": [1]},
+        {"stop_token_ids": {"a": 1}},
+        {"stop_token_ids": [[5]]},
+        {"stop_token_ids": [huge] * 2000},
+    ):
+        body = json.dumps({"prompt": [[5, 6, 7]], "max_tokens": 2} | fields)  # \ud800 escaped
+        answer = httpx.post(f"{url}/v1/completions", content=body, timeout=30)
+        assert 400 <= answer.status_code < 500, fields
+        field_name = next(iter(fields))
+        assert _message(answer).split("[", 1)[0].startswith(field_name), (fields, _message(answer))
+    for body in ('{"prompt": "\\ud800", "add_special_tokens": []}', '{"prompt": 5}'):
+        answer = httpx.post(f"{url}/tokenize", content=body, timeout=30)
+        assert answer.status_code == 400 and _message(answer).startswith("prompt"), body

@@ -245,7 +245,17 @@ class TransformersEngine(RolloutEngine):
         )
 
     def _stops(self, params: SamplingParams) -> set[int]:
-        """The token ids that end a response of this call."""
+        """The token ids that end a response of this call.
+
+        Raises:
+            ValueError: one of ``params.stop_ids`` is not a token id of the model.
+        """
+        vocab_size = self.model.get_input_embeddings().num_embeddings
+        for token in params.stop_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"stop_ids: {token} is not a token id of this model (0..{vocab_size - 1})"
+                )
         return self.stop_ids | set(params.stop_ids)
 
     def _deadline(self, started: float) -> float:
