@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from honing.host import configure_host, exit_now
 from honing.models.loading import resolve_device
 from honing.pipeline.components import Components, build_components
 from honing.pipeline.experience import forward_passes
+from honing.pipeline.peers import Op, checked
 from honing.pipeline.run import close, flat, prepare, run_training
 from honing.pipeline.state import load_part, save_part
 from honing.pipeline.update import UpdateInputs, apply_update
@@ -151,8 +154,8 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
             prepared.release()
 
 
-REPLICATED_OPS = frozenset({"update", "generate"})
-SHARDED_OPS = REPLICATED_OPS | {"forward", "sync", "save", "load"}
+REPLICATED_OPS = frozenset({Op.UPDATE, Op.GENERATE})
+SHARDED_OPS = frozenset(Op)
 
 
 def check_same_config(config: Config, group) -> None:
@@ -186,7 +189,7 @@ class Leader:
         sharded = policy.is_sharded
         self.shared = SHARDED_OPS if sharded else REPLICATED_OPS
         if policy.passes_together and not sharded:  # sequence-parallel replicas
-            self.shared = REPLICATED_OPS | {"forward"}
+            self.shared = REPLICATED_OPS | {Op.FORWARD}
         self.send_state = not sharded  # replicas built from model.path: rank 0's state first
         self.busy = False  # inside collectives the others run too (an update, a generation)
         self.announced = False  # inside an op the others run
@@ -206,12 +209,12 @@ class Leader:
         return engine
 
     @contextmanager
-    def together(self, op: str, payload):
+    def together(self, op: Op, payload):
         """Sends ``op`` and its ``payload`` (and rank 0's state when due), when the others
         take part in it; the body runs rank 0's part of the work, in step with theirs. Should
         the body fail, the others are inside its collectives where no stop message reaches
         them: rank 0 just fails (torchrun then stops them)."""
-        if op not in self.shared:
+        if checked(op) not in self.shared:
             yield
             return
         wire = payload.for_wire() if isinstance(payload, UpdateInputs) else payload
@@ -231,7 +234,7 @@ class Leader:
 
     def stop(self, failed: bool) -> None:
         """Tells the others the run ended, and whether it failed."""
-        dist.broadcast_object_list([{"op": "stop", "failed": failed}], src=0, group=self.group)
+        dist.broadcast_object_list([{"op": None, "failed": failed}], src=0, group=self.group)
 
 
 @contextmanager
@@ -250,6 +253,34 @@ def lead(group, parts: Components, config: Config) -> Iterator[Leader | None]:
         leader.stop(failed=False)
 
 
+@dataclass(frozen=True)
+class Follower:
+    """A rank other than 0, as an op's part on it sees it: its run's parts, the group, the
+    config, and ``receive`` (the next value rank 0 broadcasts within the op)."""
+
+    parts: Components
+    group: Any
+    config: Config
+    receive: Callable[[], Any]
+
+
+def _generate(me: Follower, payload) -> None:
+    version, tasks = payload
+    me.parts.engine.load_weights(version)  # its copy is rank 0's: the label
+    gather_shares(me.parts.engine, tasks, me.group)
+
+
+# What a follower runs for each op rank 0 announces: every member of Op has its entry.
+FOLLOWERS: dict[Op, Callable[[Follower, Any], None]] = {
+    Op.UPDATE: lambda me, payload: apply_update(me.parts.trainers, payload),
+    Op.GENERATE: _generate,
+    Op.FORWARD: lambda me, payload: forward_passes(me.parts, *payload),
+    Op.SYNC: lambda me, payload: send_weights(me.parts, payload, remote=False),  # rank 0 sends
+    Op.SAVE: lambda me, payload: save_part(me.parts, me.config, me.receive),
+    Op.LOAD: lambda me, payload: load_part(me.parts, payload),
+}
+
+
 def follow(parts: Components, group, config: Config) -> bool:
     """A rank other than 0: runs its part of each op rank 0 announces until it stops;
     returns whether rank 0's run ended well."""
@@ -259,28 +290,16 @@ def follow(parts: Components, group, config: Config) -> bool:
         dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
+    me = Follower(parts, group, config, receive)
     while True:
         message = receive()
-        op, payload = message["op"], message.get("payload")
-        if op == "stop":
+        op = message["op"]
+        if op is None:  # rank 0's run ended
             return not message["failed"]
         for trainer in parts.trainers.all():
             if trainer.role in message.get("state", {}):
                 trainer.load_state(message["state"][trainer.role])
-        if op == "update":
-            apply_update(parts.trainers, payload)
-        elif op == "generate":
-            version, tasks = payload
-            parts.engine.load_weights(version)  # its copy is rank 0's: the label
-            gather_shares(parts.engine, tasks, group)
-        elif op == "forward":
-            forward_passes(parts, *payload)
-        elif op == "sync":
-            send_weights(parts, payload, remote=False)  # rank 0 sends to servers
-        elif op == "save":
-            save_part(parts, config, receive)
-        elif op == "load":
-            load_part(parts, payload)
+        FOLLOWERS[op](me, message.get("payload"))
 
 
 class SpreadEngine(RolloutEngine):
@@ -311,7 +330,7 @@ class SpreadEngine(RolloutEngine):
     def generate(self, requests: list[GenerationRequest], params: SamplingParams):
         tasks = chunked(requests, params, self.chunk)
         leader = self.leader
-        with leader.together("generate", (self.local.weight_version, tasks)):
+        with leader.together(Op.GENERATE, (self.local.weight_version, tasks)):
             shares = gather_shares(self.local, tasks, leader.group)
         done = {}
         for rollouts_by_task, report in shares:

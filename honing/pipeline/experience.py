@@ -22,7 +22,7 @@ from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_we
 from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components
-from honing.pipeline.peers import Alone, Peers
+from honing.pipeline.peers import Alone, Op, Peers
 from honing.rollout.base import Holding
 from honing.trainer.batch import RouterTap, TrainBatch, collate
 from honing.trainer.engine import TrainerEngine
@@ -160,7 +160,7 @@ def make_experience(
         old=needs_old_logprobs(config, parts, len(batch)),
         record_routing=algo.routing_replay == "R2",
     )
-    with (peers or Alone()).together("forward", (batch, wanted)):
+    with (peers or Alone()).together(Op.FORWARD, (batch, wanted)):
         passes = forward_passes(parts, batch, wanted)
     if passes["replay"] is not None:
         batch.replay = passes["replay"]

@@ -33,7 +33,7 @@ from honing.pipeline.components import Components
 from honing.pipeline.evaluate import validate
 from honing.pipeline.experience import Experience, make_experience
 from honing.pipeline.offload import Offloader
-from honing.pipeline.peers import Alone, Peers
+from honing.pipeline.peers import Alone, Op, Peers
 from honing.pipeline.schedules import Ahead, Inline, start_schedule
 from honing.pipeline.state import load_training_state, save_training_state
 from honing.pipeline.step_metrics import step_metrics
@@ -300,7 +300,7 @@ class TrainLoop:
             value_clip=self.config.algorithm.value_clip,
             lr=trainers.policy.learning_rates(),
         )
-        with self.peers.together("update", inputs):  # the other ranks run theirs alongside
+        with self.peers.together(Op.UPDATE, inputs):  # the other ranks run theirs alongside
             metrics = experience.metrics | apply_update(trainers, inputs)
         metrics["timing_s/update"] = time.perf_counter() - started
         if not acts:

@@ -2,25 +2,46 @@
 
 The loop runs on one process (rank 0 under torchrun); work that other processes share is
 announced to them with ``together(op, payload)`` and runs in its body on this process, in
-step with theirs. The ops: ``update`` (the step's update), ``generate`` (a generate call
-spread over the ranks) and, when the modules are sharded, ``forward`` (the passes without
-gradient), ``sync`` (the new weights to the engines), ``save`` and ``load`` (checkpoints).
-Which ops another process takes part in is the peers' business: the loop announces every
-one. ``Alone`` is the run without others; ``honing.backends.torchrun.Leader`` is rank 0's
-side of several ranks.
+step with theirs. The ops are the members of ``Op``: ``UPDATE`` (the step's update),
+``GENERATE`` (a generate call spread over the ranks) and, when the modules are sharded,
+``FORWARD`` (the passes without gradient), ``SYNC`` (the new weights to the engines), ``SAVE``
+and ``LOAD`` (checkpoints). Which ops another process takes part in is the peers' business:
+the loop announces every one. An op is a member, never its name as a string, so a misspelt
+op fails where it is written, not as a rank waiting for a message it cannot match.
+``Alone`` is the run without others; ``honing.backends.torchrun.Leader`` is rank 0's side of
+several ranks, whose followers look each op up in one table (``torchrun.FOLLOWERS``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 from honing.rollout.base import RolloutEngine
 
 
+class Op(enum.Enum):
+    """Work the ranks of a run share, announced by rank 0 (``Peers.together``)."""
+
+    UPDATE = "update"
+    GENERATE = "generate"
+    FORWARD = "forward"
+    SYNC = "sync"
+    SAVE = "save"
+    LOAD = "load"
+
+
+def checked(op: Op) -> Op:
+    """``op``, or a ``TypeError`` where it is not an ``Op`` (a string, say)."""
+    if not isinstance(op, Op):
+        raise TypeError(f"peers' ops are members of Op, not {op!r}")
+    return op
+
+
 class Peers(Protocol):
-    def together(self, op: str, payload: Any) -> contextlib.AbstractContextManager: ...
+    def together(self, op: Op, payload: Any) -> contextlib.AbstractContextManager: ...
 
     def tell(self, value: Any) -> None: ...
 
@@ -33,7 +54,8 @@ class Alone:
     """No other process: shared work is this process's alone."""
 
     @contextlib.contextmanager
-    def together(self, op: str, payload: Any) -> Iterator[None]:
+    def together(self, op: Op, payload: Any) -> Iterator[None]:
+        checked(op)
         yield
 
     def tell(self, value: Any) -> None:

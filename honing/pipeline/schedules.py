@@ -22,7 +22,7 @@ from honing.config import Config
 from honing.pipeline.collect import Collected, collect
 from honing.pipeline.components import Components
 from honing.pipeline.offload import Offloader
-from honing.pipeline.peers import Peers
+from honing.pipeline.peers import Op, Peers
 from honing.pipeline.producer import RolloutProducer
 from honing.pipeline.weight_sync import send_weights, snapshot
 
@@ -48,7 +48,7 @@ class Inline:
         return got, offloaded | self.offload.peak("gen")
 
     def publish(self, step: int) -> dict[str, float]:
-        with self.peers.together("sync", step):
+        with self.peers.together(Op.SYNC, step):
             sent = send_weights(self.parts, step, kept=True)  # kept until the next update
             return {"perf/sync_mb": sent / 2**20}
 

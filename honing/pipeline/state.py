@@ -51,7 +51,7 @@ from honing.pipeline.checkpoint_files import (
     write_trainer_state,
 )
 from honing.pipeline.components import Components
-from honing.pipeline.peers import Alone, Peers
+from honing.pipeline.peers import Alone, Op, Peers
 from honing.pipeline.weight_sync import send_weights
 from honing.trainer.sharded import local_bytes
 
@@ -91,7 +91,7 @@ def save_training_state(
     peers = peers or Alone()
     if required is None:
         required = step >= config.trainer.total_steps
-    with peers.together("save", step):
+    with peers.together(Op.SAVE, step):
         bad, checked = non_finite_tensors(parts)
         if bad:
             _refuse(manager, step, bad, checked, required)
@@ -215,7 +215,7 @@ def load_training_state(parts: Components, checkpoint: Path, peers: Peers | None
         state = torch.load(checkpoint / TRAINER_STATE, weights_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"checkpoint {checkpoint} cannot be read ({err})") from None
-    with peers.together("load", str(checkpoint)):
+    with peers.together(Op.LOAD, str(checkpoint)):
         load_engines(parts, checkpoint, state)
     torch.set_rng_state(state["rng"])
     if "cuda_rng" in state and torch.cuda.is_available():
@@ -223,7 +223,7 @@ def load_training_state(parts: Components, checkpoint: Path, peers: Peers | None
     parts.source.load_state_dict(info["data"])
     parts.kl_controller.value = info.get("kl_coef", parts.kl_controller.value)
     step = int(info["step"])
-    with peers.together("sync", step):
+    with peers.together(Op.SYNC, step):
         send_weights(parts, step)
     return step
 
