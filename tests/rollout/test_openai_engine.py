@@ -7,6 +7,7 @@ import httpx
 import pytest
 import torch
 
+from honing.errors import UserError
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.remote.engine import (
@@ -438,3 +439,47 @@ def test_sglang_bytes_that_list_dense_layers_keep_the_moe_layers_rows():
     moe_rows = torch.arange(3 * 2 * 2, dtype=torch.int32).reshape(3, 2, 2)
     flat = base64.b64encode(moe_rows.numpy().tobytes()).decode()
     assert torch.equal(sglang_experts(shape, flat, 2), moe_rows[:2].to(torch.int16))
+
+
+def test_losing_every_server_in_a_sync_or_a_generation_ends_the_run_in_one_line(
+    micro_model_dir, digit_reward, tokenizer, tmp_path, monkeypatch, capsys
+):
+    """The only server dies while a run sends it new weights: ``honing train`` ends with one
+    line naming it (exit status 2); a request for samples it can no longer answer is the same
+    kind of error (a ``UserError``, one line)."""
+    from pipeline._configs import cli_args
+
+    import honing.pipeline.weight_sync as weight_sync
+    from honing.cli import main as honing_main
+
+    process, url = process_start_service("rollout", "--model", str(micro_model_dir))
+    sampler = OpenAIEngine([url], tokenizer, cooldown_s=60, weight_sync="none")
+    made = weight_sync.rollout_weights
+
+    def dying_midway(parts, engine):
+        for index, bucket in enumerate(made(parts, engine)):
+            if index == 0:
+                process.kill()
+                process.wait()
+            yield bucket
+
+    monkeypatch.setattr(weight_sync, "rollout_weights", dying_midway)
+    overrides = {
+        "rollout.engine": "openai",
+        "rollout.endpoints": url,
+        "rollout.batch_size": 1,
+        "trainer.total_steps": 2,
+        "trainer.val_at_start": False,
+    }
+    args = cli_args(micro_model_dir, digit_reward, tmp_path / "run", **overrides)
+    try:
+        assert honing_main(["train", *args]) == 2
+    finally:
+        process.kill()
+        process.wait()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and url in lines[0] and "new weights" in lines[0], lines
+    with pytest.raises(UserError) as lost:
+        sampler.generate(requests_for(tokenizer), SamplingParams(n=1, max_new_tokens=2))
+    assert url in str(lost.value) and "\n" not in str(lost.value)
+    sampler.close()

@@ -8,15 +8,30 @@ from dataclasses import dataclass
 
 import httpx
 
+from honing.errors import UserError
+
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 
 
-class EngineUnavailable(RuntimeError):
-    """No endpoint could serve a request."""
+class EngineUnavailable(UserError, RuntimeError):
+    """No endpoint could serve a request or take new weights: every server is down or set
+    aside. The run ends with one line naming each server and its last error (the servers
+    need a person), whether the loss came while sampling or while sending weights."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # the servers' answers may hold newlines
 
 
 class EngineRequestError(ValueError):
     """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
+
+
+class WeightsRefused(UserError, EngineRequestError):
+    """A server refused new weights (HTTP 4xx: they do not fit its model, or another trainer
+    holds it): one line naming the server and its reason."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
 
 
 class Retryable(Exception):
