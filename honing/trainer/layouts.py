@@ -30,6 +30,7 @@ from torch import nn
 
 from honing.errors import ConfigError
 from honing.trainer.batch import response_logprobs
+from honing.trainer.mesh import ParallelDims, device_mesh
 from honing.trainer.ulysses.packed import shared_logprobs
 from honing.trainer.ulysses.parallel import SequenceGroup, use_ulysses
 
@@ -45,6 +46,7 @@ class Layout(ABC):
         sp: the ranks sharing each sequence with this one (alone without SP).
         slot, slots, dp: this rank's data-parallel slot, their number, and the group of one
             rank per slot that holds this one (``group`` itself without SP).
+        mesh: the named device mesh ``sp`` and ``dp`` come from (None without SP).
     """
 
     rank: int = 0
@@ -55,6 +57,7 @@ class Layout(ABC):
     slot: int = 0
     slots: int = 1
     dp = None
+    mesh = None
 
     @property
     def passes_together(self) -> bool:
@@ -144,27 +147,18 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def sequence_slots(layout: Layout, sequence: int) -> None:
-    """Sets ``layout``'s ``sp``, ``slot``, ``slots`` and ``dp`` for ``sequence`` ranks per
-    sequence over its ``group``: slot s is ranks sN .. sN + N - 1. Every rank makes every SP
-    and DP group, in the same order, as ``new_group`` requires."""
+    """Sets ``layout``'s ``mesh``, ``sp``, ``slot``, ``slots`` and ``dp`` for ``sequence`` ranks
+    per sequence over its ``group``: slot s is ranks sN .. sN + N - 1, the groups the
+    dimensions of one named mesh (``trainer/mesh.py``). Without SP, the slots are the ranks
+    and ``dp`` is ``group`` itself (no mesh is made)."""
+    dims = ParallelDims.of(layout.world, sequence)
     layout.slot, layout.slots, layout.dp = layout.rank, layout.world, layout.group
     if sequence == 1:
         return
-    if layout.world % sequence:
-        raise ConfigError(
-            f"trainer.sequence_parallel={sequence}: {layout.world} torchrun ranks do not "
-            f"split into groups of {sequence}"
-        )
-    ranks = dist.get_process_group_ranks(layout.group)
-    layout.slot, layout.slots = layout.rank // sequence, layout.world // sequence
-    for start in range(0, layout.world, sequence):
-        made = dist.new_group(ranks[start : start + sequence])
-        if start == layout.slot * sequence:
-            layout.sp = SequenceGroup.of(made)
-    for offset in range(sequence):
-        made = dist.new_group(ranks[offset::sequence])
-        if offset == layout.rank % sequence:
-            layout.dp = made
+    layout.mesh = device_mesh(layout.group, dims)
+    layout.slot, layout.slots = layout.mesh.get_coordinate()[0], dims.dp
+    layout.sp = SequenceGroup.of(layout.mesh.get_group("sp"))
+    layout.dp = layout.mesh.get_group("dp")
 
 
 def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
