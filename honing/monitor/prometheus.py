@@ -9,7 +9,11 @@
     honing_last_step_timestamp_seconds 1718000000.25
 
 A daemon thread serves the text exposition format (version 0.0.4) with the standard
-library's HTTP server, so no client library is needed. Each scrape sees the metrics of the
+library's HTTP server. The text is written here: names are sanitised and the one label is
+``le`` (a number), so the only text to escape is each ``HELP`` line's source name (backslash
+and newline, as the format requires); it reads back with ``prometheus_client``'s parser. (The
+services' pages, whose label values come from outside, are written by ``prometheus_client``:
+``honing.services.app``.) Each scrape sees the metrics of the
 last finished step (the newest value of each name; a name not logged at that step keeps its
 older value, e.g. ``val/accuracy`` between validations).
 
@@ -69,6 +73,11 @@ def prometheus_name(name: str) -> str:
     return PREFIX + _INVALID.sub("_", name).strip("_")
 
 
+def help_text(text: str) -> str:
+    """``text`` as a ``# HELP`` line holds it: backslashes and newlines escaped."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
 def format_sample(value: float) -> str:
     """A sample value as the text format writes it (``NaN``, ``+Inf``, ``-Inf`` included)."""
     if math.isnan(value):
@@ -100,7 +109,7 @@ class Histogram:
 
     def lines(self, name: str, source: str) -> list[str]:
         """The exposition lines: ``_bucket`` per bound (cumulative), ``_sum``, ``_count``."""
-        out = [f"# HELP {name} {source} (histogram of the values of every step)"]
+        out = [f"# HELP {name} {help_text(source)} (histogram of the values of every step)"]
         out.append(f"# TYPE {name} histogram")
         cumulative = 0
         for bound, count in zip([*self.bounds, math.inf], self.counts, strict=True):
@@ -186,7 +195,7 @@ class PrometheusSink:
         lines = []
         for prom_name, (source, value) in gauges:
             lines += [
-                f"# HELP {prom_name} {source}",
+                f"# HELP {prom_name} {help_text(source)}",
                 f"# TYPE {prom_name} gauge",
                 f"{prom_name} {format_sample(value)}",
             ]

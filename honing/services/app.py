@@ -21,7 +21,8 @@ clients, open connections, keep-alive) are the server's: ``honing.services.serve
 ``/score``) adds its routes to the app it returns, under the same token, ``/health`` and
 ``/metrics``; a route refuses a request by raising ``Refused``, answered in the service's error
 shape. ``honing_requests_total`` counts the answers to every request but health checks and
-scrapes, by status code.
+scrapes, by status code. The page is written by ``prometheus_client`` from the app's own
+registry, so every label value (a verdict, a model name) is escaped as the format requires.
 """
 
 from __future__ import annotations
@@ -33,22 +34,34 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.datastructures import Headers
 
+from honing.monitor.prometheus import CONTENT_TYPE
 from honing.rewards.registry import describe_error
 
 _UNAUTHORISED = "missing or wrong bearer token (Authorization: Bearer ...)"
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_REQUESTS_HELP = "answers to requests (health checks and scrapes aside), by status code"
 
 
 class _Metrics:
-    """Counters and a latency histogram in Prometheus' text format."""
+    """A service's counters and latency histogram: a prometheus_client collector, read at
+    each scrape."""
 
     def __init__(self, service: str) -> None:
         self.service = service
@@ -67,33 +80,30 @@ class _Metrics:
             if seconds <= bound:
                 self.buckets[index] += 1
 
-    def render(self) -> str:
-        label = f'service="{self.service}"'
-        lines = ["# TYPE honing_requests_total counter"]
-        lines += [
-            f'honing_requests_total{{{label},code="{code}"}} {n}'
-            for code, n in sorted(self.requests.items())
-        ]
-        lines.append("# TYPE honing_items_total counter")
-        lines += [
-            f'honing_items_total{{{label},verdict="{verdict}"}} {n}'
-            for verdict, n in sorted(self.items.items())
-        ]
-        lines.append("# TYPE honing_request_seconds histogram")
-        lines += [
-            f'honing_request_seconds_bucket{{{label},le="{bound}"}} {n}'
-            for bound, n in zip(_BUCKETS_S, self.buckets, strict=True)
-        ]
-        lines += [
-            f'honing_request_seconds_bucket{{{label},le="+Inf"}} {self.latency_count}',
-            f"honing_request_seconds_sum{{{label}}} {self.latency_sum:.6f}",
-            f"honing_request_seconds_count{{{label}}} {self.latency_count}",
-            "# TYPE honing_in_flight gauge",
-            f"honing_in_flight{{{label}}} {self.in_flight}",
-            "# TYPE honing_waiting gauge",
-            f"honing_waiting{{{label}}} {self.waiting}",
-        ]
-        return "\n".join(lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        service = [self.service]
+        for name, help_text, key, counts in (
+            ("honing_requests", _REQUESTS_HELP, "code", self.requests),
+            ("honing_items", "items scored, by verdict", "verdict", self.items),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["service", key])
+            for value, count in sorted(counts.items()):
+                family.add_metric([*service, value], count)
+            yield family
+        latency = HistogramMetricFamily(
+            "honing_request_seconds", "seconds to answer a /score request", labels=["service"]
+        )
+        bounds = [floatToGoString(bound) for bound in _BUCKETS_S]
+        buckets = [*zip(bounds, self.buckets, strict=True), ("+Inf", self.latency_count)]
+        latency.add_metric(service, buckets, self.latency_sum)
+        yield latency
+        for name, help_text, value in (
+            ("honing_in_flight", "requests being scored", self.in_flight),
+            ("honing_waiting", "requests waiting to be scored", self.waiting),
+        ):
+            gauge = GaugeMetricFamily(name, help_text, labels=["service"])
+            gauge.add_metric(service, value)
+            yield gauge
 
 
 class Refused(Exception):
@@ -232,7 +242,7 @@ def create_app(
     max_concurrency: int = 8,
     max_queue: int = 64,
     error_body: Callable[[int, str], dict[str, Any]] = plain_error,
-    extra_metrics: Callable[[], str] | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> FastAPI:
     """A FastAPI app under the guards of the module docstring, serving ``scorer.score_batch``
     at ``POST /score`` when there is a scorer.
@@ -241,9 +251,13 @@ def create_app(
         required: the item fields the scorer cannot do without.
         health: adds fields to ``GET /health``'s details.
         error_body: the JSON body of a refusal, from its status code and message.
-        extra_metrics: Prometheus text added to ``GET /metrics``.
+        collectors: more metrics for ``GET /metrics``: objects whose ``collect()`` yields
+            prometheus_client metric families.
     """
     metrics = _Metrics(service)
+    registry = CollectorRegistry()  # the app's own: apps in one process keep their counts apart
+    for collector in (metrics, *collectors):
+        registry.register(collector)
     executor = (
         ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=service)
         if scorer is not None
@@ -279,8 +293,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        page = metrics.render() + (extra_metrics() if extra_metrics else "")
-        return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     if scorer is not None:
         limits = (required, max_body_bytes, max_concurrency, max_queue)

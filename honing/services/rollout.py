@@ -58,11 +58,13 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client.metrics_core import CounterMetricFamily
 
 from honing.rollout.base import GenerationRequest
 from honing.services.app import Refused, create_app, read_body
@@ -81,6 +83,11 @@ from honing.services.rollout_weights import (
 )
 
 MAX_JSON_BYTES = 64 << 20
+_SPEC_HELP = {
+    "drafts": "speculative decoding rounds that proposed draft tokens",
+    "draft_tokens": "draft tokens proposed",
+    "accepted_tokens": "draft tokens accepted",
+}
 _UPDATE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -207,12 +214,13 @@ class _Served:
             **self.counters,
         }
 
-    def metrics(self) -> str:
-        lines = []
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """Speculative decoding's counters for ``GET /metrics``, under vLLM's names."""
         for key, value in self.speculation.items():
-            name = f"vllm:spec_decode_num_{key}_total"
-            lines += [f"# TYPE {name} counter", f'{name}{{model_name="{self.model_name}"}} {value}']
-        return "\n".join(lines) + "\n"
+            name = f"vllm:spec_decode_num_{key}"  # the exposition adds _total
+            counter = CounterMetricFamily(name, _SPEC_HELP[key], labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
 
 
 def _update_query(request: Request, count: str) -> tuple[str, int]:
@@ -264,7 +272,7 @@ def rollout_app(
         health=served.health,
         token=token,
         error_body=openai_error,
-        extra_metrics=served.metrics,
+        collectors=[served],
     )
 
     async def run(function, *args):

@@ -6,6 +6,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from honing.errors import ConfigError
 from honing.monitor.prometheus import (
@@ -131,3 +132,24 @@ def test_histogram_of_an_unlisted_name_uses_the_default_buckets():
     assert values['honing_reward_latency_ms_bucket{le="0.25"}'] == "1"
     assert values['honing_reward_latency_ms_bucket{le="5.0"}'] == "1"
     assert values['honing_reward_latency_ms_bucket{le="+Inf"}'] == "2"
+
+
+def test_the_text_parses_with_prometheus_own_parser():
+    """A metric's source name (its HELP text) with a backslash, a quote and a newline is
+    escaped; every gauge and histogram reads back with prometheus_client's parser."""
+    odd = 'custom\\reward "x"\nline'
+    sink = PrometheusSink(port=0)
+    try:
+        sink.write(4, {odd: 0.5, "critic/score/mean": 0.25})
+        sink.write_histograms(4, {"critic/score": [0.0, 1.0]})
+        _, text = scrape(sink.url)
+    finally:
+        sink.close()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    custom = families["honing_custom_reward_x_line"]
+    assert custom.documentation == odd and custom.samples[0].value == 0.5
+    assert families["honing_critic_score_mean"].samples[0].value == 0.25
+    assert families["honing_step"].samples[0].value == 4.0
+    histogram = {s.name: s.value for s in families["honing_critic_score"].samples}
+    assert histogram["honing_critic_score_count"] == 2.0
+    assert histogram["honing_critic_score_sum"] == 1.0

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from honing.services.reward_model import RewardModelScorer, reward_model_app
+from tests.services._metrics import scraped, value
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def test_concurrent_requests_share_forward_passes(serve, reward_model_dir):
     health = httpx.get(f"{url}/health").json()
     assert health["service"] == "reward-model" and health["items_scored"] == 8
     assert health["forward_passes"] < 8  # requests in flight together share a forward pass
-    metrics = httpx.get(f"{url}/metrics").text
-    assert 'honing_requests_total{service="reward-model",code="200"} 8' in metrics
+    metrics = scraped(url)
+    assert value(metrics, "honing_requests_total", service="reward-model", code="200") == 8
 
 
 def test_missing_model_is_one_clear_error(tmp_path):

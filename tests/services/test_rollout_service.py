@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save, save_file
 
 from honing.models.loading import load_causal_lm, load_tokenizer
@@ -351,3 +352,18 @@ def test_no_completion_body_is_answered_500(serve, engine):
     for body in ('{"prompt": "\\ud800", "add_special_tokens": []}', '{"prompt": 5}'):
         answer = httpx.post(f"{url}/tokenize", content=body, timeout=30)
         assert answer.status_code == 400 and _message(answer).startswith("prompt"), body
+
+
+def test_metrics_carry_any_model_name_escaped(serve):
+    """A served name with a quote, a backslash and a newline: escaped in its label, and read
+    back whole by Prometheus's own parser."""
+    name = 'my "best"\\model\nv2'
+    url = serve(rollout_app(_idle_engine(), model_name=name))
+    text = httpx.get(f"{url}/metrics").text
+    assert 'model_name="my \\"best\\"\\\\model\\nv2"' in text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        (sample,) = families[f"vllm:spec_decode_num_{key}"].samples
+        assert sample.name == f"vllm:spec_decode_num_{key}_total"
+        assert sample.labels == {"model_name": name} and sample.value == 0.0
+    assert families["honing_requests"].type == "counter"

@@ -4,9 +4,11 @@ import threading
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from honing.services.app import create_app
 from honing.services.verifier import verifier_app
+from tests.services._metrics import scraped, value
 
 
 def _post(url, payload, **kwargs):
@@ -28,10 +30,10 @@ def test_scores_routed_items_in_order(serve):
     assert third["score"] is None and "no reward function" in third["error"]
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and "openai/gsm8k" in health["routes"]
-    metrics = httpx.get(f"{url}/metrics").text
-    assert 'honing_requests_total{service="verifier",code="200"} 1' in metrics
-    assert 'honing_items_total{service="verifier",verdict="correct"} 1' in metrics
-    assert "honing_request_seconds_count" in metrics
+    metrics = scraped(url)
+    assert value(metrics, "honing_requests_total", service="verifier", code="200") == 1
+    assert value(metrics, "honing_items_total", service="verifier", verdict="correct") == 1
+    assert value(metrics, "honing_request_seconds_count", service="verifier") == 1
 
 
 def test_token_is_required_when_configured(serve):
@@ -175,3 +177,35 @@ def test_math_and_code_items_in_one_request(serve):
     assert [r["score"] for r in results] == [1.0, 0.0, 1.0, 0.0]
     assert [r["details"]["verdict"] for r in results] == ["correct", "wrong", "passed", "failed"]
     assert results[2]["details"]["isolation"] in ("bwrap", "unshare", "none")
+
+
+def test_metrics_escape_label_values_and_parse(serve):
+    """A verdict (the scorer's own words) with a quote, a backslash and a newline becomes a
+    label value that Prometheus's parser reads back whole, beside every other series."""
+    verdict = 'off by "one"\\\nagain'
+
+    class Odd:
+        def score_batch(self, items):
+            return [{"score": 0.5, "verdict": verdict} for _ in items]
+
+    url = serve(create_app(Odd(), service="t"))
+    assert _post(url, {"items": [{"response": "a"}, {"response": "b"}]}).status_code == 200
+    assert _post(url, {"items": "no"}).status_code == 422
+    text = httpx.get(f"{url}/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    items = families["honing_items"].samples
+    assert [(s.name, s.labels, s.value) for s in items] == [
+        ("honing_items_total", {"service": "t", "verdict": verdict}, 2.0)
+    ]
+    requests = {s.labels["code"]: s.value for s in families["honing_requests"].samples}
+    assert requests == {"200": 1.0, "422": 1.0}
+    latency = {s.name: s for s in families["honing_request_seconds"].samples}
+    assert latency["honing_request_seconds_count"].value == 1.0
+    assert {s.labels.get("le") for s in families["honing_request_seconds"].samples} >= {
+        "0.005",
+        "1.0",
+        "30.0",
+        "+Inf",
+    }
+    assert families["honing_in_flight"].samples[0].value == 0.0
+    assert families["honing_waiting"].type == "gauge"
