@@ -214,3 +214,17 @@ def test_a_missing_path_in_the_docs_would_be_found():
     assert not _named_path("rollout/no_such_module.py").exists()
     assert _named_path("trainer.sequence_parallel=2") is None
     assert _named_path("rollout/spec_enabled") is None
+
+
+def test_the_vllm_plugin_entry_point_names_a_module_that_is_there():
+    """vLLM loads ``honing``'s plugin by the entry point pyproject.toml declares: a module
+    moved without it would leave every vLLM server without honing's transfer backend."""
+    import importlib
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["honing"]
+    module, _, function = target.partition(":")
+    assert module in MODULES and callable(getattr(importlib.import_module(module), function))
+    registered = re.findall(r'"(honing\.[a-z_.]+)"', MODULES[module].read_text(encoding="utf-8"))
+    assert registered and all(name in MODULES for name in registered)
