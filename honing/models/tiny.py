@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from honing.data.arithmetic import warmstart_corpus
+from honing.rollout.tools.calculator import calculate
 from honing.rollout.tools.calls import FORMATS, ToolResponses, ToolResult
-from honing.rollout.tools.specs import calculate
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 

@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools (rollout/tools/turns.py): the turn loop over a scripted engine
 (what the model says is fixed, so the sequences can be written out by hand), the masks and
-logprobs the trainer gets, token exactness, and a slow tool that does not hold the others.
+logprobs the trainer gets, token exactness, a slow tool that does not hold the others, calls
+no tokenizer or JSON reader takes, and tools that hang.
 
 The tokenizer is the built-in one (one token per character) with the Hermes tags added as
 special tokens, as chat models with tools have them."""
@@ -14,8 +15,8 @@ import torch
 from honing.errors import ConfigError
 from honing.models.loading import load_tokenizer
 from honing.rollout.base import GenerationRequest, Holding, RolloutEngine, SamplingParams
-from honing.rollout.tools.calls import FALLBACK_RESPONSE
-from honing.rollout.tools.specs import ToolSettings, build_tools
+from honing.rollout.tools.calls import FALLBACK_RESPONSE, MAX_TOOL_THREADS
+from honing.rollout.tools.specs import Tool, ToolSettings, build_tools, function_schema
 from honing.rollout.tools.turns import ToolEngine
 from honing.trainer.batch import collate
 from honing.types import Rollout
@@ -249,3 +250,67 @@ def test_a_multi_turn_sample_s_routed_experts_are_its_last_turn_s(tokenizer):
     [rollout] = engine.generate([GenerationRequest("p", prompt, 0)], PARAMS)
     length = len(prompt) + len(rollout.response_ids) - 1
     assert rollout.routed_experts[:, 0, 0].tolist() == list(range(length))
+
+
+def test_calls_that_break_json_or_the_tokenizer_are_error_results(tokenizer):
+    """Calls nested past the recursion limit, with a 4,301-digit integer, an argument named
+    by a lone surrogate (JSON ``\\ud800``), and a tool whose output is a lone surrogate: each
+    sample gets its error or output back as text the tokenizer takes, and answers."""
+    tags = [tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")]
+
+    def turn(body: str) -> list[int]:
+        return [tags[0], *tokenizer.encode(body, add_special_tokens=False), tags[1]]
+
+    bodies = {
+        "deep": "[" * 1000,
+        "digits": '{"name": "calculator", "arguments": {"expression": ' + "7" * 4301 + "}}",
+        "key": '{"name": "calculator", "arguments": {"expression": "1", "\\ud800": 1}}',
+        "output": '{"name": "lone", "arguments": {}}',
+    }
+    script = {p: [turn(body), words(tokenizer, "ok")] for p, body in bodies.items()}
+    lone = Tool(
+        "lone", function_schema("lone", "A lone surrogate.", {}, []), lambda a, **_: "\ud800"
+    )
+    tools = build_tools(["calculator"]) | {"lone": lone}
+    inner = Scripted(script, tokenizer.eos_token_id)
+    engine = ToolEngine(inner, tokenizer, ToolSettings(tools=("calculator",)), tools)
+    requests = [GenerationRequest(p, words(tokenizer, "go", end=False), 0) for p in script]
+    params = SamplingParams(n=1, max_new_tokens=6000, max_seq_len=6100)
+    rollouts = {r.prompt_id: r for r in engine.generate(requests, params)}
+    assert all(r.finish_reason == "stop" and r.turns == 2 for r in rollouts.values())
+    assert [rollouts[p].tool_calls[0]["error"] for p in bodies] == [True, True, True, False]
+
+    def response(prompt_id: str) -> str:
+        start, count = rollouts[prompt_id].tool_spans[0]
+        return tokenizer.decode(rollouts[prompt_id].response_ids[start : start + count])
+
+    assert "nested too deeply" in response("deep")
+    assert "a number with too many digits" in response("digits")
+    assert "unknown argument(s) \\ud800" in response("key")
+    assert "<tool_response><unk>\\ud800<unk></tool_response>" in response("output")
+
+
+def test_hung_tools_keep_a_bounded_number_of_threads_and_are_counted(tokenizer):
+    """200 samples each call a tool that hangs: every call comes back as a timeout, at most
+    MAX_TOOL_THREADS threads are kept for them, and the metrics count the timeouts and the
+    threads held."""
+    release = threading.Event()
+    hang = Tool("hang", function_schema("hang", "Hangs.", {}, []), lambda a, **_: release.wait())
+    body = '{"name": "hang", "arguments": {}}'
+    tags = [tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")]
+    turn = [tags[0], *tokenizer.encode(body, add_special_tokens=False), tags[1]]
+    script = {f"p{i}": [turn, words(tokenizer, "ok")] for i in range(200)}
+    inner = Scripted(script, tokenizer.eos_token_id)
+    settings = ToolSettings(tools=("hang",), tool_timeout_s=0.05)
+    engine = ToolEngine(inner, tokenizer, settings, {"hang": hang})
+    requests = [GenerationRequest(p, words(tokenizer, "go", end=False), 0) for p in script]
+    before = threading.active_count()
+    try:
+        rollouts = engine.generate(requests, PARAMS)
+        assert threading.active_count() - before <= MAX_TOOL_THREADS
+        metrics, _ = engine.take_report()
+    finally:
+        release.set()
+    assert all(r.finish_reason == "stop" and r.tool_calls[0]["timed_out"] for r in rollouts)
+    assert metrics["tool/calls"] == metrics["tool/timeouts"] == 200
+    assert 1 <= metrics["tool/hung_threads"] <= MAX_TOOL_THREADS

@@ -1,11 +1,12 @@
-"""The tool layer: specs and the calculator, tool-call parsing, the python tool in the real
-sandbox under hostile programs, concurrent bounded execution, user tools, and the tool
+"""The tool layer: specs, tool-call parsing (any text the model writes), the python tool in the real
+sandbox under hostile programs, concurrent bounded execution and the bound on hung threads,
+user tools, and the tool
 responses as a chat template and the built-in tokenizer render them."""
 
 import json
-import random
 import re
 import socket
+import threading
 import time
 import uuid
 
@@ -15,6 +16,7 @@ from honing.errors import ConfigError
 from honing.models.tiny import build_tokenizer
 from honing.rollout.tools.calls import (
     FALLBACK_RESPONSE,
+    MAX_TOOL_THREADS,
     ToolCall,
     ToolResponses,
     ToolResult,
@@ -23,7 +25,7 @@ from honing.rollout.tools.calls import (
     run_calls,
     tool_call_format,
 )
-from honing.rollout.tools.specs import CalculatorError, build_tools, calculate
+from honing.rollout.tools.specs import Tool, build_tools, function_schema
 from tests.sandbox._processes import processes_with
 
 TOOLS = build_tools(["python", "calculator"])
@@ -114,7 +116,7 @@ def _chat_tokenizer():
     return tokenizer
 
 
-# Specs and the calculator
+# Specs (the calculator: test_calculator.py)
 
 
 def test_builtin_schemas_are_openai_function_specs():
@@ -130,59 +132,6 @@ def test_builtin_schemas_are_openai_function_specs():
 def test_unknown_tool_name_is_a_config_error(spec):
     with pytest.raises(ConfigError, match=f"unknown tool '{spec}'; expected python, calculator"):
         build_tools([spec])
-
-
-def test_calculator_is_exact_on_eight_digit_sums_and_products():
-    rng = random.Random(0)
-    for _ in range(200):
-        a, b = rng.randrange(10**7, 10**8), rng.randrange(10**7, 10**8)
-        assert calculate(f"{a} + {b}") == str(a + b)
-        assert calculate(f"{a} * {b}") == str(a * b)
-        assert calculate(f"({a} - {b}) * {a} // 7 % 1000") == str((a - b) * a // 7 % 1000)
-    assert calculate("99999999 ** 20") == str(99999999**20)
-
-
-@pytest.mark.parametrize(
-    ("expression", "value"),
-    [
-        ("0.1 + 0.2", "0.3"),
-        ("7 / 8", "0.875"),
-        ("-1 / 4", "-0.25"),
-        ("2 ** -3", "0.125"),
-        ("1 / 3", "0.33333333333333333333 (= 1/3)"),
-        ("1 ** (10 ** 10)", "1"),
-        ("-(3)", "-3"),
-    ],
-)
-def test_calculator_values(expression, value):
-    assert calculate(expression) == value
-
-
-@pytest.mark.parametrize(
-    ("expression", "reason"),
-    [
-        ("x + 1", "names are not allowed"),
-        ("__import__('os').system('true')", "function calls are not allowed"),
-        ("(1).real", "attribute access is not allowed"),
-        ("10**10**10", "result too large"),
-        ("(10**4000) * (10**4000)", "result too large"),
-        ("2 ** 0.5", "the exponent must be an integer"),
-        ("1 / 0", "division by zero"),
-        ("'a' * 3", "unsupported literal"),
-        ("[1][0]", "subscripts are not allowed"),
-        ("[1, 2]", "unsupported syntax: List"),
-        ("1 +", "invalid syntax"),
-        ("(" * 5000 + "1" + ")" * 5000, "longer than"),
-    ],
-)
-def test_calculator_refuses(expression, reason):
-    with pytest.raises(CalculatorError, match=reason.replace("(", r"\(")):
-        calculate(expression)
-
-
-def test_calculator_tool_returns_refusals_as_error_text():
-    result = run_calls([_call("calculator", expression="10**10**10")], TOOLS, 5.0, 100)[0]
-    assert result.error and result.output.startswith("error: result too large")
 
 
 # Parsing
@@ -244,6 +193,39 @@ def test_bad_calls_are_errors_the_model_reads(body, error):
     assert error in call.error
     [result] = run_calls([call], TOOLS, 5.0, OUTPUT_BYTES)
     assert result.error and error in result.output and result.output.startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ("[" * 1000, "malformed tool call: nested too deeply"),
+        ('{"a": ' * 100_000, "malformed tool call: nested too deeply"),
+        ('{"name": "calculator", "arguments": "' + "[" * 1000 + '"}', "are not an object"),
+        (
+            '{"name": "calculator", "arguments": {"expression": "1"}, "n": ' + "7" * 4301 + "}",
+            "malformed tool call: a number with too many digits",
+        ),
+        (
+            '{"name": "calculator", "arguments": {"expression": ' + "7" * 5000 + "}}",
+            "malformed tool call: a number with too many digits",
+        ),
+        (
+            '{"name": "calculator", "arguments": {"expression": "1", "\\ud800": 1}}',
+            "unknown argument(s) \\ud800; expected expression",
+        ),
+        ('{"name": "\\udfff", "arguments": {}}', "unknown tool '\\udfff'"),
+    ],
+)
+def test_any_text_in_a_call_is_an_error_result_never_an_exception(body, error):
+    """Text that makes Python's JSON reader raise (recursion, an integer past the digit
+    limit) and names holding a lone surrogate: each is an error result whose text a
+    tokenizer takes."""
+    [call] = parse_tool_calls(f"<tool_call>{body}</tool_call>", TOOLS)
+    [result] = run_calls([call], TOOLS, 5.0, OUTPUT_BYTES)
+    assert result.error and error in result.output, result.output
+    result.output.encode("utf-8")  # no lone surrogate left
+    tokenizer = build_tokenizer(tool_tags=True)
+    assert ToolResponses(tokenizer).ids("", [result])
 
 
 def test_calls_past_the_turn_limit_are_errors():
@@ -415,6 +397,53 @@ def test_a_user_tool_that_raises_or_hangs_is_an_error_result(user_file):
     assert raised.error and raised.output == "error: RuntimeError: bad input boom"
     assert hung.timed_out and hung.output == "error: tool 'stuck' timed out after 0.3 s"
     assert quick.output == "woke" and not quick.error
+
+
+def test_hung_calls_hold_at_most_the_thread_bound():
+    """200 calls of a tool that hangs: at most MAX_TOOL_THREADS threads are kept for them,
+    each call comes back as a timeout (past the bound at once: not run, no thread free), and
+    the threads are free again once the tool returns."""
+    release = threading.Event()
+
+    def hang(arguments: dict, **_budget) -> str:
+        return "released" if release.wait() else "never"
+
+    tools = {"hang": Tool("hang", function_schema("hang", "Hangs.", {}, []), hang)}
+    before = threading.active_count()
+    try:
+        started = time.monotonic()
+        results = run_calls([ToolCall("hang")] * 200, tools, 0.05, OUTPUT_BYTES)
+        elapsed = time.monotonic() - started
+        assert threading.active_count() - before <= MAX_TOOL_THREADS
+        assert all(r.timed_out and r.error for r in results)
+        refused = [r for r in results if "not run: all 32 tool threads are held" in r.output]
+        assert len(refused) >= 200 - MAX_TOOL_THREADS and elapsed < 3.0
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5.0
+    while any(t.name == "honing-tool-hang" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    [again] = run_calls([ToolCall("hang")], tools, 1.0, OUTPUT_BYTES)
+    assert again.output == "released" and not again.error
+
+
+def test_a_user_tool_returning_a_lone_surrogate_or_raising_an_unprintable_error():
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    def surrogate(arguments: dict, **_budget) -> str:
+        return "value \ud800"
+
+    def unprintable(arguments: dict, **_budget) -> str:
+        raise Unprintable
+
+    schema = function_schema("t", "A tool.", {}, [])
+    tools = {"s": Tool("s", schema, surrogate), "u": Tool("u", schema, unprintable)}
+    lone, raised = run_calls([ToolCall("s"), ToolCall("u")], tools, 5.0, OUTPUT_BYTES)
+    assert lone.output == "value \\ud800" and not lone.error
+    assert raised.error and raised.output == "error: Unprintable"
 
 
 def test_a_user_tool_returning_100_megabytes_is_cut_to_the_bound(user_file):

@@ -10,8 +10,19 @@ between tags, one per call::
 
 Every complete call (an open tag with its close tag) is parsed; a malformed one, an unknown
 tool or arguments that do not fit the tool's schema become a call with an ``error``, which
-runs as an error result the model reads back. A call cut off by the end of the text is left
-out.
+runs as an error result the model reads back. A call is the model's text, so any text is
+read without raising: JSON nested past the interpreter's recursion limit or holding an
+integer past Python's digit limit is a malformed call like any other. A call cut off by the
+end of the text is left out.
+
+Each call runs on a daemon thread of its own under its deadline. A user tool that hangs past
+it cannot be killed and keeps its thread; at most ``MAX_TOOL_THREADS`` such threads run in a
+process (``TOOL_THREADS``). A call that finds them all held waits for one within its own
+deadline, and comes back at once, timed out, when every one is held by a call already past
+its deadline.
+
+Every text sent back to the model (outputs, error texts) is made encodable first
+(``encodable``: a lone surrogate, which no tokenizer takes, is written as its escape).
 
 Tool responses are rendered by the tokenizer's chat template: the conversation is rendered
 with and without the tool messages and the difference taken (the closing of the assistant's
@@ -22,12 +33,11 @@ tokenizer without a template (a base model, the built-in tiny model) gets
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +47,7 @@ from honing.rewards.registry import describe_error
 from honing.rollout.tools.specs import Tool, ToolOutput, argument_problem
 
 TRUNCATED = "\n[truncated]"
+MAX_TOOL_THREADS = 32  # tool calls running at once in a process, hung ones included
 FALLBACK_RESPONSE = "<tool_response>\n{output}\n</tool_response>\n"
 _PROBE = "HONING-TOOL-PROBE"
 
@@ -109,23 +120,34 @@ def parse_tool_calls(
 
 def _parse_one(body: str, text: str, tools: Mapping[str, Tool]) -> ToolCall:
     expected = 'expected {"name": "<tool>", "arguments": {...}}'
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCall(
-            "", {}, f"malformed tool call: {exc.msg} at character {exc.pos}; {expected}", text
-        )
+    value, problem = _read_json(body)
+    if problem:
+        return ToolCall("", {}, f"malformed tool call: {problem}; {expected}", text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return ToolCall("", {}, f"malformed tool call: no tool name; {expected}", text)
     name, arguments = value["name"], value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments)
+        decoded, problem = _read_json(arguments)
+        arguments = arguments if problem else decoded
     if not isinstance(arguments, dict):
         return ToolCall(
             name, {}, f"malformed tool call: arguments are not an object; {expected}", text
         )
     return ToolCall(name, arguments, _call_problem(name, arguments, tools), text)
+
+
+def _read_json(text: str) -> tuple[Any, str | None]:
+    """``text`` as JSON and None, or None and why it cannot be read; never raises."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at character {exc.pos}"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError:  # an integer literal past Python's int-to-string digit limit
+        return None, "a number with too many digits"
+    except MemoryError:
+        return None, "too large to read"
 
 
 def _call_problem(name: str, arguments: Mapping[str, Any], tools: Mapping[str, Tool]) -> str | None:
@@ -136,12 +158,18 @@ def _call_problem(name: str, arguments: Mapping[str, Any], tools: Mapping[str, T
     return f"tool {name!r}: {problem}" if problem else None
 
 
+def encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate such as ``\\ud800``, which a
+    tokenizer refuses) written as its backslash escape."""
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
+
+
 def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
-    """``text`` cut to ``max_bytes`` of UTF-8 (at a character boundary) + ``[truncated]``;
-    and whether it was cut."""
-    data = text.encode("utf-8", errors="replace")
+    """``encodable(text)`` cut to ``max_bytes`` of UTF-8 (at a character boundary) +
+    ``[truncated]``; and whether it was cut."""
+    data = text.encode("utf-8", errors="backslashreplace")
     if len(data) <= max_bytes:
-        return text, False
+        return data.decode("utf-8"), False
     return data[:max_bytes].decode("utf-8", errors="ignore") + TRUNCATED, True
 
 
@@ -182,41 +210,122 @@ def run_calls(
 def run_call(
     call: ToolCall, tools: Mapping[str, Tool], timeout_s: float, max_bytes: int
 ) -> ToolResult:
-    """One call under its deadline: the tool runs on a daemon thread that is waited for
-    ``timeout_s`` (+ the tool's grace) and abandoned past it."""
+    """One call under its deadline: the tool runs on a ``TOOL_THREADS`` daemon thread that is
+    waited for ``timeout_s`` (+ the tool's grace) and abandoned past it. Never raises."""
     started = time.monotonic()
     tool = tools.get(call.name)
     problem = call.error or _call_problem(call.name, call.arguments, tools)
     if problem or tool is None:
-        return ToolResult(call.name, f"error: {problem}", error=True)
-    box: dict[str, Any] = {}
+        return ToolResult(encodable(call.name), bound_text(f"error: {problem}", max_bytes)[0], True)
 
-    def target() -> None:
-        try:
-            box["value"] = tool.run(call.arguments, timeout_s=timeout_s, max_output_bytes=max_bytes)
-        except BaseException as exc:  # noqa: BLE001 - a user tool may raise anything
-            box["error"] = exc
+    def work() -> str | ToolOutput:
+        return tool.run(call.arguments, timeout_s=timeout_s, max_output_bytes=max_bytes)
 
-    worker = threading.Thread(target=target, name=f"honing-tool-{call.name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s + tool.grace_s)
+    job = TOOL_THREADS.run(work, f"honing-tool-{call.name}", timeout_s, tool.grace_s)
     latency_s = time.monotonic() - started
-    if worker.is_alive():
+    if not job.done:
         text = f"error: tool {call.name!r} timed out after {timeout_s:g} s"
+        if not job.started:
+            text = (
+                f"error: tool {call.name!r} not run: all {TOOL_THREADS.limit} tool threads are "
+                f"held ({TOOL_THREADS.hung} by calls past their timeout)"
+            )
+        text = bound_text(text, max_bytes)[0]
         return ToolResult(call.name, text, error=True, timed_out=True, latency_s=latency_s)
-    if "error" in box:
-        text = f"error: {describe_error(box['error'])}"
-        return ToolResult(
-            call.name, bound_text(text, max_bytes)[0], error=True, latency_s=latency_s
-        )
-    value = box["value"]
-    output = value if isinstance(value, ToolOutput) else ToolOutput(value)
+    if job.error is not None:
+        text = bound_text(f"error: {_describe(job.error)}", max_bytes)[0]
+        return ToolResult(call.name, text, error=True, latency_s=latency_s)
+    value = job.value
+    output = value if isinstance(value, ToolOutput) else ToolOutput(str(value))
     text, cut = bound_text(output.text, max_bytes)
     if output.truncated and not cut:
         text += TRUNCATED
     return ToolResult(
         call.name, text, output.error, output.timed_out, output.truncated or cut, latency_s
     )
+
+
+def _describe(error: BaseException) -> str:
+    """``describe_error``, for an exception whose message is user code that may itself fail."""
+    try:
+        return describe_error(error)
+    except Exception:  # noqa: BLE001 - a user exception's __str__ may raise anything
+        return type(error).__name__
+
+
+@dataclass
+class ToolJob:
+    """One call's run on a tool thread: its value or exception once ``done``; ``started``
+    is False when no thread was free for it."""
+
+    value: Any = None
+    error: BaseException | None = None
+    started: bool = False
+    done: bool = False
+    abandoned: bool = False
+
+
+class ToolThreads:
+    """The process's tool threads (module docstring): at most ``limit`` run at once, ``hung``
+    of them for calls abandoned past their deadline."""
+
+    def __init__(self, limit: int = MAX_TOOL_THREADS) -> None:
+        self.limit = limit
+        self.running = 0
+        self.hung = 0
+        self._changed = threading.Condition()
+
+    def run(self, work: Callable[[], Any], name: str, timeout_s: float, grace_s: float) -> ToolJob:
+        """``work()`` on a daemon thread, waited for ``timeout_s + grace_s``; the thread is
+        started once one of ``limit`` is free, waiting for that at most ``timeout_s`` and not
+        at all while every thread is hung."""
+        job = ToolJob()
+        if not self._take(timeout_s):
+            return job
+
+        def target() -> None:
+            try:
+                job.value = work()
+            except BaseException as exc:  # noqa: BLE001 - a user tool may raise anything
+                job.error = exc
+            finally:
+                with self._changed:
+                    self.running -= 1
+                    self.hung -= job.abandoned
+                    job.done = True
+                    self._changed.notify_all()
+
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # the system refuses another thread
+            with self._changed:
+                self.running -= 1
+                self._changed.notify_all()
+            return job
+        job.started = True
+        thread.join(timeout_s + grace_s)
+        with self._changed:
+            if not job.done:
+                job.abandoned = True
+                self.hung += 1
+                self._changed.notify_all()
+        return job
+
+    def _take(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.running >= self.limit:
+                left = deadline - time.monotonic()
+                if self.hung >= self.limit or left <= 0:
+                    return False
+                self._changed.wait(left)
+            self.running += 1
+            return True
+
+
+TOOL_THREADS = ToolThreads()
+"""Every tool call's thread in this process (``run_call``)."""
 
 
 class ToolResponses:
@@ -242,10 +351,15 @@ class ToolResponses:
 
     def text(self, response_text: str, results: Sequence[ToolResult]) -> str:
         """What follows ``response_text`` (the turn the model wrote, special tokens kept):
-        the part of ``turn_end`` it has not written, then the responses to ``results``."""
+        the part of ``turn_end`` it has not written, then the responses to ``results``
+        (their texts made ``encodable``)."""
         if not self.templated:
-            return "\n" + "".join(FALLBACK_RESPONSE.format(output=r.output) for r in results)
-        messages = [{"role": "tool", "name": r.name, "content": r.output} for r in results]
+            outputs = (encodable(r.output) for r in results)
+            return "\n" + "".join(FALLBACK_RESPONSE.format(output=output) for output in outputs)
+        messages = [
+            {"role": "tool", "name": encodable(r.name), "content": encodable(r.output)}
+            for r in results
+        ]
         after = self._render(self._base + messages, generation_prompt=True)
         if not after.startswith(self._before):
             raise ConfigError(

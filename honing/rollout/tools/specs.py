@@ -8,13 +8,8 @@ A tool is a name, a JSON schema in the OpenAI function-calling form (what
   sandbox (``sandbox/isolation.py``: no network, private directory, rlimits, the reward
   sandbox's ``Limits``), with the call's timeout; the result is stdout, then stderr, then
   ``[exit status N]`` when it did not exit with 0.
-- ``calculator``: an arithmetic ``expression`` (integers and decimal literals, ``+ - * / //
-  % **``, parentheses) parsed by ``ast`` and walked node by node, never ``eval``: names,
-  attribute access, calls and subscripts are refused. Values are ``Fraction``s, so big
-  integers and decimals stay exact; an exponent must be an integer and every value is kept
-  under ``CALC_MAX_BITS`` bits, so ``10**10**10`` is refused before it is computed. A value that is
-  not an integer is written as a decimal, exact when it terminates, else to ``CALC_DIGITS``
-  significant digits with the exact fraction beside it.
+- ``calculator``: an arithmetic ``expression`` evaluated exactly, never by ``eval``
+  (``rollout/tools/calculator.py``: its grammar, bounds and output).
 
 A user tool is ``package.module:function`` or ``path/to/file.py:function``, loaded by the
 reward functions' loader (``rewards/registry.load_callable``). Its schema is derived from
@@ -24,26 +19,24 @@ required; the docstring's first paragraph is the tool's description and its ``Ar
 lines (``name: text``) describe the parameters. It is called with the arguments as keywords
 and returns a string (anything else is sent as JSON). User tools run in this process,
 trusted: what they print is not captured, and one that hangs past its timeout is reported
-and left running on its daemon thread (Python cannot kill a thread).
+and left running on its daemon thread (Python cannot kill a thread); ``rollout/tools/calls.py``
+bounds how many such threads a process keeps.
 
 How a turn's calls are parsed, run and answered is ``rollout/tools/calls.py``.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
-import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from decimal import Context, Decimal
-from fractions import Fraction
 from typing import Any
 
 from honing.errors import ConfigError, RewardError
 from honing.rewards.registry import describe_error, load_callable
+from honing.rollout.tools.calculator import CalculatorError, calculate
 from honing.sandbox.isolation import Limits, run_sandboxed, sandbox_python
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -52,27 +45,6 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
     "number": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
     "boolean": lambda value: isinstance(value, bool),
-}
-
-
-# The calculator's bounds: expression length, bits of any value, digits of an inexact result.
-CALC_MAX_CHARS = 2000
-CALC_MAX_BITS = 1 << 14  # ~4,900 decimal digits
-CALC_DIGITS = 20
-
-_BINARY: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-_REFUSED = {
-    ast.Name: "names are not allowed",
-    ast.Attribute: "attribute access is not allowed",
-    ast.Call: "function calls are not allowed",
-    ast.Subscript: "subscripts are not allowed",
 }
 
 
@@ -146,90 +118,6 @@ def argument_problem(schema: dict, arguments: Mapping[str, Any]) -> str | None:
     return None
 
 
-class CalculatorError(ValueError):
-    """An expression the calculator refuses or cannot evaluate; the message is for the model."""
-
-
-def calculate(expression: str) -> str:
-    """The exact value of ``expression``, as text.
-
-    Raises:
-        CalculatorError: a refused construct, a too large result, a division by zero or a
-            syntax error.
-    """
-    if len(expression) > CALC_MAX_CHARS:
-        raise CalculatorError(f"expression longer than {CALC_MAX_CHARS} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise CalculatorError(f"invalid syntax: {exc.msg}") from None
-    except (RecursionError, MemoryError, ValueError):
-        raise CalculatorError("expression too deeply nested or malformed") from None
-    try:
-        return _format(_evaluate(tree.body))
-    except ZeroDivisionError:
-        raise CalculatorError("division by zero") from None
-    except RecursionError:
-        raise CalculatorError("expression too deeply nested") from None
-
-
-def _evaluate(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant):
-        value = node.value
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise CalculatorError(f"unsupported literal {value!r}; expected a number")
-        return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        operand = _evaluate(node.operand)
-        return -operand if isinstance(node.op, ast.USub) else operand
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-        return _checked(_power(_evaluate(node.left), _evaluate(node.right)))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _checked(_BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right)))
-    for kind, reason in _REFUSED.items():
-        if isinstance(node, kind):
-            raise CalculatorError(reason)
-    raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
-
-
-def _power(base: Fraction, exponent: Fraction) -> Fraction:
-    """``base ** exponent`` for an integer exponent, refused before it grows past CALC_MAX_BITS."""
-    if exponent.denominator != 1:
-        raise CalculatorError("the exponent must be an integer")
-    if base in (0, 1) or exponent in (0, 1):
-        return base**exponent
-    if base == -1:
-        return Fraction(-1 if exponent.numerator % 2 else 1)
-    size = max(base.numerator.bit_length(), base.denominator.bit_length())
-    if (size - 1) * abs(exponent.numerator) > CALC_MAX_BITS:
-        raise CalculatorError(f"result too large (over {CALC_MAX_BITS} bits)")
-    return base**exponent.numerator
-
-
-def _checked(value: Fraction) -> Fraction:
-    if max(value.numerator.bit_length(), value.denominator.bit_length()) > CALC_MAX_BITS:
-        raise CalculatorError(f"result too large (over {CALC_MAX_BITS} bits)")
-    return value
-
-
-def _format(value: Fraction) -> str:
-    if value.denominator == 1:
-        return str(value.numerator)
-    denominator, twos, fives = value.denominator, 0, 0
-    while denominator % 2 == 0:
-        denominator, twos = denominator // 2, twos + 1
-    while denominator % 5 == 0:
-        denominator, fives = denominator // 5, fives + 1
-    if denominator == 1:  # a terminating decimal: exact with max(twos, fives) places
-        places = max(twos, fives)
-        scaled = value.numerator * 10**places // value.denominator
-        sign, digits = "-" * (scaled < 0), str(abs(scaled)).rjust(places + 1, "0")
-        return f"{sign}{digits[:-places]}.{digits[-places:]}"
-    context = Context(prec=CALC_DIGITS)
-    approx = context.divide(Decimal(value.numerator), Decimal(value.denominator))
-    return f"{approx} (= {value.numerator}/{value.denominator})"
-
-
 def python_tool(limits: Limits | None = None, backend: str = "auto") -> Tool:
     """The built-in ``python`` tool over the sandbox, with ``limits`` (the reward sandbox's
     by default) whose timeout and output bound each call replaces with its own."""
@@ -264,7 +152,7 @@ def python_tool(limits: Limits | None = None, backend: str = "auto") -> Tool:
 
 
 def calculator_tool() -> Tool:
-    """The built-in ``calculator`` tool (``calculate``; module docstring)."""
+    """The built-in ``calculator`` tool: ``calculator.calculate``, a refusal as an error result."""
 
     def run(arguments: dict, **_budget: Any) -> str | ToolOutput:
         try:

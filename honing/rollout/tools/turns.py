@@ -17,7 +17,9 @@ A sample ends at a turn without a call (its answer), at ``max_turns`` (``length`
 turn's calls are not run), or at its token budget (``length``; a tool response that does not
 fit is not appended, so a response always ends with tokens the model sampled). The tool
 responses are recorded as ``Rollout.tool_spans`` (no loss, behaviour logprob 0) and each call
-in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics. A mixture-of-experts
+in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics. A call's output or error
+text is whatever the tool or the model wrote made safe to tokenize (``calls``): no text the
+model writes raises out of ``generate``. A mixture-of-experts
 policy's routed experts (routing replay R3) are the last turn's: its prompt held every earlier
 token, the tool responses too.
 """
@@ -38,6 +40,7 @@ from honing.rollout.base import (
     WeightBuckets,
 )
 from honing.rollout.tools.calls import (
+    TOOL_THREADS,
     ToolResponses,
     ToolResult,
     parse_tool_calls,
@@ -117,7 +120,9 @@ class ToolEngine(RolloutEngine):
 
     def take_report(self) -> EngineReport:
         """The inner engine's report and the tool metrics of the samples since the last take:
-        calls, errors and timeouts (counts), calls and turns per sample, mean call latency."""
+        calls, errors and timeouts (counts; a call refused for want of a free tool thread is
+        a timeout), calls and turns per sample, mean call latency; and the process's tool
+        threads held now by calls abandoned past their deadline (``calls.TOOL_THREADS``)."""
         metrics, events = self.inner.take_report()
         sums, self._report = self._report, {}
         if sums:
@@ -129,6 +134,7 @@ class ToolEngine(RolloutEngine):
                 "tool/calls_per_sample": sums["calls"] / samples,
                 "tool/turns_per_sample": sums["turns"] / samples,
                 "tool/latency_s": sums["latency_s"] / calls,
+                "tool/hung_threads": float(TOOL_THREADS.hung),
             }
         return metrics, events
 
