@@ -9,7 +9,7 @@ from honing.pipeline.peers import Alone, Op
 def test_every_op_has_its_followers_part():
     """An op the leader can announce that no follower runs would leave the ranks waiting."""
     assert set(torchrun.FOLLOWERS) == set(Op)
-    assert torchrun.SHARDED_OPS == set(Op) and torchrun.REPLICATED_OPS < torchrun.SHARDED_OPS
+    assert set(Op) == torchrun.SHARDED_OPS and torchrun.REPLICATED_OPS < torchrun.SHARDED_OPS
 
 
 def test_an_op_named_by_a_string_is_refused_where_it_is_written():
