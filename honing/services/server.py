@@ -14,6 +14,11 @@ all run under the same ``ServerLimits``:
 
 Not guarded here: a client that sends its head in time and then its body slowly keeps its
 connection until the app's own limits end the request.
+
+The guards hold uvicorn's ``H11Protocol``, which is not public API: pyproject.toml bounds
+uvicorn to the releases tested (``UVICORN_VERSIONS``), and this module checks, when it loads,
+that the pieces it uses are there (``check_uvicorn``); a uvicorn without them is one line
+naming the versions needed, before any port is taken or model loaded.
 """
 
 from __future__ import annotations
@@ -22,17 +27,36 @@ import asyncio
 import contextlib
 import errno
 import functools
+import inspect
 import resource
 import socket
 from typing import Any
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.server import ServerState
 
 from honing.errors import UserError
 from honing.services.options import ServerLimits
+
+try:  # private API: a release may move or drop it (check_uvicorn says so)
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+except ImportError:
+    H11Protocol = None
+try:
+    from uvicorn.server import ServerState
+except ImportError:
+    ServerState = None
+
+UVICORN_VERSIONS = ">=0.29,<0.56"  # pyproject.toml's range: the releases these guards ran on
+_PROTOCOL_METHODS = (
+    "connection_made",
+    "data_received",
+    "eof_received",
+    "connection_lost",
+    "pause_writing",
+    "resume_writing",
+)
+_PROTOCOL_ARGUMENTS = ("config", "server_state", "app_state", "_loop")
 
 _SPARE_FILES = 256  # open files a service needs besides its connections (workers, models)
 _BUSY_TEXT = b"too many connections; retry later\n"
@@ -41,6 +65,45 @@ _BUSY = (
     b"connection: close\r\nretry-after: 1\r\n"
     b"content-length: " + str(len(_BUSY_TEXT)).encode() + b"\r\n\r\n" + _BUSY_TEXT
 )
+
+
+def check_uvicorn() -> None:
+    """Checks that uvicorn has what ``GuardedConnection`` uses: ``H11Protocol``, built with
+    ``(config, server_state, app_state, _loop)``, its protocol methods and the h11 connection
+    its constructor keeps as ``conn``, and ``ServerState``'s ``connections``.
+
+    Raises:
+        UserError: one of them is missing, naming it and the uvicorn versions needed.
+    """
+    missing = _missing_from_uvicorn()
+    if missing:
+        raise UserError(
+            f"honing's services need uvicorn{UVICORN_VERSIONS}: uvicorn {uvicorn.__version__} "
+            f"lacks {missing}, a private API of uvicorn that honing.services.server builds "
+            f"on; install 'uvicorn{UVICORN_VERSIONS}'"
+        )
+
+
+def _missing_from_uvicorn() -> str:
+    if H11Protocol is None:
+        return "H11Protocol"
+    for method in _PROTOCOL_METHODS:  # its own, not asyncio.Protocol's that do nothing
+        if getattr(H11Protocol, method, None) in (None, getattr(asyncio.Protocol, method, None)):
+            return f"H11Protocol.{method}"
+    arguments = inspect.signature(H11Protocol.__init__).parameters
+    for argument in _PROTOCOL_ARGUMENTS:
+        if argument not in arguments:
+            return f"H11Protocol's argument {argument}"
+    if "conn" not in H11Protocol.__init__.__code__.co_names:  # the attributes it sets
+        return "H11Protocol.conn"
+    if ServerState is None:
+        return "ServerState"
+    if not isinstance(getattr(ServerState(), "connections", None), set):
+        return "ServerState.connections"
+    return ""
+
+
+check_uvicorn()
 
 
 class GuardedConnection(asyncio.Protocol):
