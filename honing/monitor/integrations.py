@@ -12,12 +12,20 @@ A resumed run continues the same remote run: the W&B run id is derived from the 
 directory's absolute path, and the MLflow run id is kept in ``RUN_DIR/mlflow_run_id``.
 Steps redone after a resume are sent again; W&B ignores steps below its last one, MLflow
 keeps both values.
+
+A full disk under a tracker's local store (MLflow's ``sqlite:`` or ``file:`` store) ends the
+run with the run logger's one line (``RunLogger``), naming ``local_path``; MLflow's own log
+of that error, with its traceback, is left out. W&B's local files
+(``RUN_DIR/wandb``) are written by its own service process, which drops what finds no room
+without a word; they share the run directory's disk, where ``metrics.jsonl`` then finds no
+room either and ends the run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -26,8 +34,11 @@ from types import ModuleType
 from typing import Any
 
 from honing.errors import ConfigError
+from honing.monitor.sinks import no_room, says_no_room
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+# MLflow's SQL store logs each database error with its traceback before raising it
+MLFLOW_STORE_LOGGER = "mlflow.store.db.utils"
 _MLFLOW_INVALID = re.compile(r"[^a-zA-Z0-9_\-. :/]")
 
 
@@ -75,6 +86,31 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+class _WithoutNoRoom(logging.Filter):
+    """Drops a log record whose error says the disk is full: the run ends with its own one
+    line for it, which a library's traceback would bury."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not says_no_room(error)
+
+
+_WITHOUT_NO_ROOM = _WithoutNoRoom()
+
+
+def local_store(tracking_uri: str) -> Path | None:
+    """The file or directory an MLflow tracking URI keeps its runs in, when it is local:
+    ``sqlite:///runs.db`` (``sqlite:////abs/runs.db``), ``file:/abs/mlruns`` or a plain
+    path; ``None`` for a server (``http://``, ``databricks``)."""
+    if tracking_uri.startswith("sqlite:///"):
+        return Path(tracking_uri.removeprefix("sqlite:///"))
+    if tracking_uri.startswith("file:"):
+        return Path(tracking_uri.removeprefix("file:").removeprefix("//"))
+    if "://" in tracking_uri or tracking_uri == "databricks" or not tracking_uri:
+        return None
+    return Path(tracking_uri)
+
+
 def wandb_run_id(run_dir: str | Path) -> str:
     """A stable W&B run id for a run directory, so a resumed run continues the same run."""
     digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()
@@ -104,6 +140,7 @@ class WandbSink:
     ) -> None:
         self._wandb = require_module("wandb", "wandb", "monitor.wandb_project")
         run_dir = Path(run_dir)
+        self.local_path = run_dir / "wandb"  # where W&B keeps this run's files
         self._run = self._wandb.init(
             project=project,
             entity=entity or None,
@@ -157,6 +194,7 @@ class MlflowSink:
 
     Raises:
         ConfigError: If ``mlflow`` is not installed.
+        UserError: Its local store finds the disk full.
     """
 
     def __init__(
@@ -168,14 +206,27 @@ class MlflowSink:
         params: Mapping[str, Any] | None = None,
     ) -> None:
         self._mlflow = require_module("mlflow", "mlflow", "monitor.mlflow_tracking_uri")
+        self.local_path = local_store(tracking_uri)  # named when it finds the disk full
+        logging.getLogger(MLFLOW_STORE_LOGGER).addFilter(_WITHOUT_NO_ROOM)
+        try:
+            self._start(tracking_uri, experiment, Path(run_dir), params or {})
+        except Exception as err:
+            logging.getLogger(MLFLOW_STORE_LOGGER).removeFilter(_WITHOUT_NO_ROOM)
+            if not says_no_room(err):
+                raise
+            raise no_room(err, self.local_path or run_dir) from None
+
+    def _start(
+        self, tracking_uri: str, experiment: str, run_dir: Path, params: Mapping[str, Any]
+    ) -> None:
         self._mlflow.set_tracking_uri(tracking_uri)
         self._mlflow.set_experiment(experiment)
-        id_file = Path(run_dir) / MLFLOW_RUN_ID_FILE
+        id_file = run_dir / MLFLOW_RUN_ID_FILE
         previous = id_file.read_text().strip() if id_file.exists() else None
-        run = self._mlflow.start_run(run_id=previous, run_name=Path(run_dir).name)
+        run = self._mlflow.start_run(run_id=previous, run_name=run_dir.name)
         if previous is None:
             id_file.write_text(run.info.run_id + "\n")
-            self._mlflow.log_params(flatten_params(params or {}))
+            self._mlflow.log_params(flatten_params(params))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Logs the numeric metrics at ``step``."""
@@ -188,4 +239,7 @@ class MlflowSink:
 
     def close(self) -> None:
         """Ends the MLflow run."""
-        self._mlflow.end_run()
+        try:
+            self._mlflow.end_run()
+        finally:
+            logging.getLogger(MLFLOW_STORE_LOGGER).removeFilter(_WITHOUT_NO_ROOM)

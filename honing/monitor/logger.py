@@ -10,6 +10,12 @@ name from the config (``RunLogger.from_config``, see ``honing.monitor.registry``
 
 Reopening an existing run directory appends; ``truncate_after`` removes the steps a resumed
 run is about to redo, so no step appears twice.
+
+A full disk under any sink (the log files, TensorBoard's, a tracker's local store) ends the
+run with one line, the same as a checkpoint that finds no room (``sinks.cannot_write``,
+``UserError``): a sink's own error that says ``ENOSPC`` is turned into it here. An event that
+another thread (the alert watchdog, a webhook's) cannot write is raised on the run's own
+thread, at its next call to the logger.
 """
 
 from __future__ import annotations
@@ -23,10 +29,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TextIO
 
+from honing.errors import UserError
 from honing.monitor.console import ConsoleSink
 from honing.monitor.names import known_metric
 from honing.monitor.registry import TENSORBOARD_DIR, SinkContext, build_sinks
-from honing.monitor.sinks import JsonlSink, MetricSink, TensorBoardSink
+from honing.monitor.sinks import (
+    JsonlSink,
+    MetricSink,
+    TensorBoardSink,
+    no_room,
+    says_no_room,
+)
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -105,6 +118,8 @@ class RunLogger:
         self._samples = JsonlSink(self.run_dir / SAMPLES_FILE)
         self._events = JsonlSink(self.run_dir / EVENTS_FILE)
         self._event_lock = threading.Lock()
+        self._owner = threading.get_ident()  # the run's thread: other threads' errors wait for it
+        self._thread_error: UserError | None = None
         optional: list[MetricSink] = []
         if tensorboard:
             optional.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
@@ -135,11 +150,17 @@ class RunLogger:
         Raises:
             ConfigError: A configured sink's package is missing, or its settings cannot be
                 honoured (e.g. the Prometheus port is taken). Nothing is left running.
+            UserError: A sink finds the disk full as it starts (``cannot_write``).
         """
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         context = SinkContext(run_dir, total_steps, monitor, stream, dict(params or {}))
-        sinks = build_sinks(context)
+        try:
+            sinks = build_sinks(context)
+        except Exception as err:
+            if not says_no_room(err):
+                raise
+            raise no_room(err, run_dir) from None
         try:
             return cls(
                 run_dir, total_steps=total_steps, tensorboard=False, console=False, sinks=sinks
@@ -157,8 +178,7 @@ class RunLogger:
             unknown = sorted(name for name in metrics if not known_metric(name))
             if unknown:
                 raise ValueError(f"metrics missing from honing/monitor/names.py: {unknown}")
-        for sink in self.sinks:
-            sink.write(step, metrics)
+        self._to_sinks("write", step, metrics)
 
     def log_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
         """Records value distributions of one step, e.g. rewards and response lengths.
@@ -174,14 +194,38 @@ class RunLogger:
             histograms: Name -> the step's values (a list, array or CPU tensor), e.g.
                 ``{"critic/score": rewards, "response_length": lengths}``.
         """
-        for sink in self.sinks:
-            write_histograms = getattr(sink, "write_histograms", None)
-            if write_histograms is not None:
-                write_histograms(step, histograms)
+        self._to_sinks("write_histograms", step, histograms)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Appends each sample to ``samples.jsonl`` as ``{"step": step, **sample}``."""
+        self._raise_thread_error()
         self._samples.append({"step": step, **sample} for sample in samples)
+
+    def _to_sinks(self, method: str, *args: Any) -> None:
+        """Calls ``method`` of every sink that has it; a full disk under one is the run's one
+        line (``cannot_write``)."""
+        self._raise_thread_error()
+        for sink in self.sinks:
+            call = getattr(sink, method, None)
+            if call is None:
+                continue
+            try:
+                call(*args)
+            except Exception as err:
+                if not says_no_room(err):
+                    raise
+                raise no_room(err, self._store_of(sink)) from None
+
+    def _store_of(self, sink: object) -> Path:
+        """Where a sink keeps its files, for a full disk's message: its ``local_path`` (a
+        tracker's local store), else the run directory."""
+        return getattr(sink, "local_path", None) or self.run_dir
+
+    def _raise_thread_error(self) -> None:
+        """Raises, on the run's thread, an event another thread could not write."""
+        if self._thread_error is not None and threading.get_ident() == self._owner:
+            error, self._thread_error = self._thread_error, None
+            raise error
 
     def log_event(self, kind: str, **fields: Any) -> None:
         """Appends ``{"time", "kind", **fields}`` to ``events.jsonl``; echoes it on the console.
@@ -191,11 +235,20 @@ class RunLogger:
             **fields: Details; any JSON-able values (non-finite floats become null).
 
         Safe to call from other threads (the alert watchdog, webhook failures): one event is
-        written whole before the next.
+        written whole before the next. An event another thread cannot write (a full disk)
+        raises nothing there: its ``UserError`` is raised on the run's own thread, by its next
+        call to the logger.
         """
+        self._raise_thread_error()
         details = " ".join(f"{key}={value}" for key, value in fields.items())
         with self._event_lock:
-            self._events.append([{"time": time.time(), "kind": kind, **fields}])
+            try:
+                self._events.append([{"time": time.time(), "kind": kind, **fields}])
+            except UserError as error:
+                if threading.get_ident() == self._owner:
+                    raise
+                self._thread_error = self._thread_error or error
+                return
             for sink in self.sinks:
                 note = getattr(sink, "note", None)
                 if note is not None:
@@ -246,26 +299,27 @@ class RunLogger:
             METRICS_FILE: self._metrics.truncate_after(step),
             SAMPLES_FILE: self._samples.truncate_after(step),
         }
-        for sink in self.sinks:
-            mark_restart = getattr(sink, "mark_restart", None)
-            if mark_restart is not None:
-                mark_restart(step)
+        self._to_sinks("mark_restart", step)
         return dropped
 
     def close(self) -> None:
         """Closes every sink and log file; one failing sink does not keep the others open.
 
         Raises:
-            The first error a sink raised while closing, after all were closed.
+            The first error a sink raised while closing, after all were closed (a full disk:
+            ``cannot_write``'s one line), else an event another thread could not write.
         """
         first_error: BaseException | None = None
         for closable in [*self.sinks, self._samples, self._events]:
             try:
                 closable.close()
             except Exception as error:  # e.g. a remote tracker that cannot flush
+                if says_no_room(error):
+                    error = no_room(error, self._store_of(closable))
                 first_error = first_error or error
         if first_error is not None:
             raise first_error
+        self._raise_thread_error()
 
     def __enter__(self) -> Self:
         return self

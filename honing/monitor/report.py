@@ -26,6 +26,7 @@ from typing import Any
 from honing.errors import UserError
 from honing.monitor.logger import METRICS_FILE
 from honing.monitor.report_charts import ATTENTION, Chart, RunData, charts, load_run, number
+from honing.monitor.sinks import cannot_write
 
 REPORT_FILE = "report.html"
 MAX_EVENT_ROWS = 300
@@ -226,7 +227,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     run never sees half a page.
 
     Raises:
-        UserError: ``run_dir`` is not a directory or has no ``metrics.jsonl``.
+        UserError: ``run_dir`` is not a directory or has no ``metrics.jsonl``, or the report
+            cannot be written (a full disk: ``cannot_write``).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -237,13 +239,17 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         )
     out = Path(out) if out is not None else run_dir / REPORT_FILE
     page = render_report(load_run(run_dir))
-    descriptor, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    tmp_name = None
     try:
+        descriptor, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
         with os.fdopen(descriptor, "w", encoding="utf-8") as target:
             target.write(page)
         os.replace(tmp_name, out)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
+        if isinstance(err, OSError):  # a full disk, a read-only directory
+            raise cannot_write(out, err, then=f"run honing report {run_dir} again") from None
         raise
     return out
 

@@ -8,8 +8,9 @@ distributions, see ``HistogramSink``), ``note`` (event lines), ``mark_restart`` 
 run redoes later steps) and ``log_report`` (the run's report file, at the end of the run); a
 sink without one is simply skipped for that call. Machine crashes (power loss) can still
 lose the last writes: files are flushed to the OS, not fsync-ed, except when rewritten by
-``truncate_jsonl``. A JSONL write that fails (a full disk) is undone, so the file never holds
-half a line, and ends the run with one line (``UserError``).
+``truncate_jsonl``. A write that fails (a full disk) is undone, so a JSONL file never holds
+half a line nor an event file half a record, and ends the run with one line (``UserError``,
+``cannot_write``), worded as a checkpoint that finds no room.
 
 TensorBoard is imported inside ``TensorBoardSink`` only, so ``import honing.monitor`` stays
 light.
@@ -17,17 +18,23 @@ light.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import socket
+import sqlite3
+import struct
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from honing.checkpoint.disk import free_bytes, says_no_space
+from honing.checkpoint.disk import free_bytes, nearest_existing, says_no_space
 from honing.errors import UserError
+
+RESUME = "resume with --resume auto"
 
 
 class MetricSink(Protocol):
@@ -155,6 +162,78 @@ def _torn_tail(path: Path) -> tuple[int, bytes] | None:
         return 0, tail
 
 
+def says_no_room(err: BaseException) -> bool:
+    """Whether the exception's chain says the disk (or quota) is full: an ``ENOSPC`` or
+    ``EDQUOT`` error (``says_no_space``), or SQLite's ``SQLITE_FULL`` ("database or disk is
+    full"), which a tracker keeping its store in SQLite (MLflow's ``sqlite:``) raises."""
+    if says_no_space(err):
+        return True
+    seen: BaseException | None = err
+    while seen is not None:
+        if getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def named_file(err: BaseException) -> Path | None:
+    """The file the first ``OSError`` of the exception's chain names, if one does."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and isinstance(seen.filename, (str, bytes, os.PathLike)):
+            return Path(os.fsdecode(seen.filename))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def cannot_write(path: str | Path, err: BaseException, then: str = RESUME) -> UserError:
+    """The one line a log file that cannot be written ends the run with (exit status 2).
+
+    A full disk (``ENOSPC``, a full quota) reads as a checkpoint that finds no room does: the
+    free space there, then "free some space, then resume with --resume auto".
+
+    Args:
+        path: The file that could not be written.
+        err: What the write raised.
+        then: What to do once the disk has room again.
+    """
+    path = Path(path)
+    if says_no_room(err):
+        free = (free_bytes(nearest_existing(path.parent)) or 0) / (1 << 20)
+        return UserError(
+            f"cannot write {path}: the disk is full ({free:.1f} MiB free there); "
+            f"free some space, then {then}"
+        )
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+    return UserError(f"cannot write {path} ({reason}); fix that, then {then}")
+
+
+def no_room(err: BaseException, where: str | Path) -> UserError:
+    """``cannot_write``'s line for an error that ``says_no_room``: of the file the error
+    names, else of ``where`` (a tracker's store, the run directory). A ``UserError`` is
+    already that line."""
+    if isinstance(err, UserError):
+        return err
+    return cannot_write(named_file(err) or where, err)
+
+
+def append_whole(handle: Any, path: Path, data: bytes) -> None:
+    """Appends ``data`` to an unbuffered binary file, all or nothing.
+
+    Raises:
+        UserError: The write failed (``cannot_write``); the file is cut back to its length
+            before the call.
+    """
+    start = os.lseek(handle.fileno(), 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[handle.write(view) :]
+    except OSError as err:
+        os.ftruncate(handle.fileno(), start)  # no half line, no half record
+        raise cannot_write(path, err) from None
+
+
 class JsonlSink:
     """Appends one JSON object per line to a file (``metrics.jsonl`` and friends).
 
@@ -184,7 +263,7 @@ class JsonlSink:
                 tail = None
         handle = self.path.open("ab", buffering=0)
         if tail is not None:
-            self._write_whole(handle, b"\n")
+            append_whole(handle, self.path, b"\n")
         return handle
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -208,39 +287,23 @@ class JsonlSink:
         if self._file is None:
             raise ValueError(f"{self.path}: sink is closed")
         data = "".join(to_json_line(record) for record in records).encode("utf-8")
-        self._write_whole(self._file, data)
-
-    def _write_whole(self, handle: Any, data: bytes) -> None:
-        start = os.lseek(handle.fileno(), 0, os.SEEK_END)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[handle.write(view) :]
-        except OSError as err:
-            os.ftruncate(handle.fileno(), start)  # no half line
-            raise UserError(self._failure(err)) from None
-
-    def _failure(self, err: OSError) -> str:
-        if says_no_space(err):
-            free = (free_bytes(self.path.parent) or 0) / (1 << 20)
-            return (
-                f"cannot write {self.path}: the disk is full ({free:.1f} MiB free there); "
-                "free some space, then resume with --resume auto"
-            )
-        return (
-            f"cannot write {self.path} ({err.strerror or err}); fix that, then resume with "
-            "--resume auto"
-        )
+        append_whole(self._file, self.path, data)
 
     def truncate_after(self, step: int) -> int:
         """Drops lines with a step greater than ``step`` (see ``truncate_jsonl``).
 
         Returns:
             The number of lines dropped.
+
+        Raises:
+            UserError: The file cannot be rewritten (a full disk): ``cannot_write``.
         """
         was_open = self._file is not None
         self.close()
-        dropped = truncate_jsonl(self.path, step)
+        try:
+            dropped = truncate_jsonl(self.path, step)
+        except OSError as err:  # the file is left as it was
+            raise cannot_write(self.path, err) from None
         if was_open:
             self._file = self._open()
         return dropped
@@ -252,28 +315,74 @@ class JsonlSink:
             self._file = None
 
 
+_EVENT_FILE_IDS = itertools.count()  # tells apart the event files of one process and second
+
+
+def _tf_record(data: bytes) -> bytes:
+    """``data`` framed as a TFRecord, the event file's format: length (uint64), the length's
+    masked CRC-32C (uint32), the data, the data's masked CRC-32C; little-endian."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    header = struct.pack("<Q", len(data))
+    return (
+        header
+        + struct.pack("<I", masked_crc32c(header))
+        + data
+        + struct.pack("<I", masked_crc32c(data))
+    )
+
+
 class TensorBoardSink:
-    """Writes each metric as a TensorBoard scalar, with TensorBoard's own event writer.
+    """Writes each metric as a TensorBoard scalar, in TensorBoard's event file format.
 
     One event per step carries one scalar value per metric name. NaN and infinities are
     written as they are (TensorBoard plots them as such). Values that are not numbers are
     skipped. Histograms (``write_histograms``) are written in TensorBoard's classic
     ``HistogramProto`` form, which its Histograms and Distributions tabs show.
 
+    Each event is appended whole, on the calling thread (TensorBoard's own writer queues it
+    for a thread of its own, whose failure on a full disk is a thread's traceback): a write
+    that fails is cut back off and ends the run with ``cannot_write``'s one line.
+
     Args:
         log_dir: Directory for the ``events.out.tfevents.*`` files; created if missing. A
             resumed run adds a new event file next to the old ones.
+
+    Raises:
+        UserError: The event file cannot be created or written (a full disk).
     """
 
     def __init__(self, log_dir: str | Path) -> None:
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.compat.proto.event_pb2 import Event, SourceMetadata
 
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer: Any = EventFileWriter(str(self.log_dir))
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{next(_EVENT_FILE_IDS)}"
+        )
+        self.path = self.log_dir / name
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._file: Any = self.path.open("ab", buffering=0)
+        except OSError as err:
+            raise cannot_write(self.path, err) from None
+        # The first event names the format's version: TensorBoard's loader reads restart
+        # markers (``mark_restart``) only in files of version 2.
+        self._add(
+            Event(
+                wall_time=time.time(),
+                file_version="brain.Event:2",
+                source_metadata=SourceMetadata(writer="honing"),
+            )
+        )
+
+    def _add(self, event: Any) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: sink is closed")
+        append_whole(self._file, self.path, _tf_record(event.SerializeToString()))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Adds one event holding all numeric metrics at ``step``; flushes."""
+        """Appends one event holding all numeric metrics at ``step``."""
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -284,17 +393,13 @@ class TensorBoardSink:
             except (TypeError, ValueError):
                 continue
             values.append(Summary.Value(tag=name, simple_value=number))
-        event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
-        self._writer.add_event(event)
-        self._writer.flush()
+        self._add(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def write_histograms(self, step: int, histograms: Mapping[str, Sequence[float]]) -> None:
-        """Adds one event holding a histogram per name at ``step``.
+        """Appends one event holding a histogram per name at ``step``.
 
-        Not flushed here: the step's ``write`` that follows flushes both (``RunLogger``
-        logs histograms first), which saves a wait on the writer thread per step; ``close``
-        flushes too. Non-finite values are left out of the buckets (a histogram cannot place
-        them); a name whose values are all non-finite, or empty, is skipped.
+        Non-finite values are left out of the buckets (a histogram cannot place them); a name
+        whose values are all non-finite, or empty, is skipped.
         """
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -305,8 +410,7 @@ class TensorBoardSink:
             if proto is not None:
                 values.append(Summary.Value(tag=name, histo=proto))
         if values:
-            event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
-            self._writer.add_event(event)
+            self._add(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def mark_restart(self, step: int) -> None:
         """Records a restart after ``step``: TensorBoard hides older data at later steps.
@@ -317,15 +421,19 @@ class TensorBoardSink:
         """
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        event = Event(
-            wall_time=time.time(), step=step + 1, session_log=SessionLog(status=SessionLog.START)
+        self._add(
+            Event(
+                wall_time=time.time(),
+                step=step + 1,
+                session_log=SessionLog(status=SessionLog.START),
+            )
         )
-        self._writer.add_event(event)
-        self._writer.flush()
 
     def close(self) -> None:
-        """Flushes and closes the event file."""
-        self._writer.close()
+        """Closes the event file; further writes raise ``ValueError``."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def histogram_proto(data: Sequence[float], max_buckets: int = 30) -> Any:
