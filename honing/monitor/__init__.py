@@ -6,7 +6,8 @@ Importing this package does not import tensorboard (only ``TensorBoardSink`` doe
 
 from honing.monitor.console import ConsoleSink, format_eta, progress_bar
 from honing.monitor.logger import RunLogger, aggregate
-from honing.monitor.sinks import JsonlSink, MetricSink, TensorBoardSink, truncate_jsonl
+from honing.monitor.sinks import JsonlSink, MetricSink, truncate_jsonl
+from honing.monitor.tensorboard_sink import TensorBoardSink
 
 __all__ = [
     "ConsoleSink",

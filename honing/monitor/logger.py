@@ -33,13 +33,8 @@ from honing.errors import UserError
 from honing.monitor.console import ConsoleSink
 from honing.monitor.names import known_metric
 from honing.monitor.registry import TENSORBOARD_DIR, SinkContext, build_sinks
-from honing.monitor.sinks import (
-    JsonlSink,
-    MetricSink,
-    TensorBoardSink,
-    no_room,
-    says_no_room,
-)
+from honing.monitor.sinks import JsonlSink, MetricSink, no_room, says_no_room
+from honing.monitor.tensorboard_sink import TensorBoardSink
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"

@@ -124,7 +124,7 @@ def _console(context: SinkContext) -> MetricSink:
 
 
 def _tensorboard(context: SinkContext) -> MetricSink:
-    from honing.monitor.sinks import TensorBoardSink
+    from honing.monitor.tensorboard_sink import TensorBoardSink
 
     return TensorBoardSink(context.run_dir / TENSORBOARD_DIR)
 

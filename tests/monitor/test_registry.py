@@ -22,7 +22,7 @@ from honing.monitor.registry import (
     enabled_sinks,
     register_sink,
 )
-from honing.monitor.sinks import TensorBoardSink
+from honing.monitor.tensorboard_sink import TensorBoardSink
 from honing.services.process import free_port
 
 

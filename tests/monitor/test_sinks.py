@@ -11,7 +11,7 @@ import pytest
 
 from honing.monitor import JsonlSink, RunLogger, TensorBoardSink, aggregate, truncate_jsonl
 from honing.monitor.logger import distribution_metrics
-from honing.monitor.sinks import histogram_proto
+from honing.monitor.tensorboard_sink import histogram_proto
 
 
 def read_jsonl(path):
