@@ -39,6 +39,37 @@ ATTENTION = {"alert", "rollback", "rollback_refused", "stop", "stopped", "crash"
 # Stages of a step, stacked in the timing chart. ``prepare`` (make_experience) contains the
 # ``ref`` and ``old`` logprob passes: the chart stacks what is left of it.
 TIMING_PARTS = ("gen", "reward", "ref", "old", "prepare", "update", "sync")
+TOKEN_AGE = "partial/tokens_age"
+# Charts of features a run may not use, each drawn only when the run logged one of its
+# metrics (y from 0); partial rollouts' token-age chart follows them (``token_age_chart``).
+OPTIONAL_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Mixture of experts",
+        (
+            "moe/load_violation/max",
+            "moe/load_violation/mean",
+            "moe/router_entropy",
+            "moe/rollout_router_match",
+            "moe/aux_loss",
+        ),
+    ),
+    ("Tool calls per step", ("tool/calls", "tool/errors", "tool/timeouts", "tool/hung_threads")),
+    ("Tool use per sample", ("tool/calls_per_sample", "tool/turns_per_sample")),
+    ("Tool call latency (s)", ("tool/latency_s",)),
+    (
+        "Rollout–trainer probability gap",
+        ("rollout_mismatch/prob_diff_max", "rollout_mismatch/prob_diff_mean"),
+    ),
+    (
+        "Rollout–trainer KL and log-prob gap",
+        ("rollout_mismatch/kl", "rollout_mismatch/logprob_diff_max"),
+    ),
+    ("Memory (MiB)", ("system/rss_mb", "system/gpu_mem_mb")),
+    (
+        "Partial rollouts: samples",
+        ("partial/carried_samples", "partial/multi_version_samples", "partial/ended_stale"),
+    ),
+)
 
 
 @dataclass
@@ -272,45 +303,70 @@ def stage_times(run: RunData) -> dict[str, dict[float, float | None]]:
     return stacked
 
 
-def timing_chart(run: RunData) -> Chart:
-    """Stacked stage times with the whole step's time as a line (the gap is everything else)."""
-    stacked, bands = stage_times(run), []
-    steps = sorted({step for values in stacked.values() for step in values})
-    base = dict.fromkeys(steps, 0.0)
-    for i, (part, values) in enumerate(stacked.items()):
+def stacked_bands(series: dict[str, dict[float, float | None]], first_color: int = 1) -> list[Band]:
+    """Each series as a band stacked on the ones before it (a missing or non-finite value
+    adds nothing at its step)."""
+    steps = sorted({step for values in series.values() for step in values})
+    base, bands = dict.fromkeys(steps, 0.0), []
+    for i, (label, values) in enumerate(series.items()):
         points = []
         for step in steps:
             low = base[step]
             base[step] = low + (values.get(step) or 0.0)
             points.append((step, low, base[step]))
-        bands.append(Band(part, points, PALETTE[(i + 1) % len(PALETTE)], opacity=0.55))
+        color = PALETTE[(first_color + i) % len(PALETTE)]
+        bands.append(Band(label, points, color, opacity=0.55))
+    return bands
+
+
+def timing_chart(run: RunData) -> Chart:
+    """Stacked stage times with the whole step's time as a line (the gap is everything else)."""
+    bands = stacked_bands(stage_times(run))
     lines = _lines(run, ["timing_s/step"])
     wanted = [f"timing_s/{part}" for part in TIMING_PARTS[:3]] + ["timing_s/step"]
     caption = "stacked: seconds per stage; line: the whole step"
     return _chart(run, "Time per step", lines, bands, wanted, caption, y_floor=0.0)
 
 
-def charts(run: RunData) -> list[Chart]:
-    """Every chart of the report, in page order (the mixture-of-experts chart only for a run
-    that logged ``moe/`` metrics)."""
-    return _common_charts(run) + (
-        [
-            simple_chart(
-                run,
-                "Mixture of experts",
-                [
-                    "moe/load_violation/max",
-                    "moe/load_violation/mean",
-                    "moe/router_entropy",
-                    "moe/rollout_router_match",
-                    "moe/aux_loss",
-                ],
-                y_floor=0.0,
-            )
-        ]
-        if run.has("moe/load_violation/max")
-        else []
+def token_age_chart(run: RunData) -> Chart:
+    """Partial rollouts: the batch's tokens stacked by how many policy versions older than
+    the weights they train they are, and the cache tokens a kept KV cache saved."""
+    ages = sorted(
+        {
+            int(key[len(TOKEN_AGE) :])
+            for record in run.metrics
+            for key in record
+            if re.fullmatch(rf"{TOKEN_AGE}\d+", key)
+        }
     )
+    bands = stacked_bands(
+        {
+            f"{age} version{'' if age == 1 else 's'} behind": dict(run.series(f"{TOKEN_AGE}{age}"))
+            for age in ages
+        },
+        first_color=0,
+    )
+    lines = _lines(run, ["partial/kv_kept_tokens"], first_color=len(ages))
+    caption = "stacked: the batch's tokens by versions behind the weights they train"
+    if lines:
+        caption += "; line: tokens reused from a kept KV cache"
+    wanted = [f"{TOKEN_AGE}<a>", "partial/kv_kept_tokens"]
+    return _chart(run, "Partial rollouts: token age", lines, bands, wanted, caption, y_floor=0.0)
+
+
+def charts(run: RunData) -> list[Chart]:
+    """Every chart of the report, in page order: the common ones, then those of
+    ``OPTIONAL_CHARTS`` whose metrics the run logged and, for partial rollouts, the token
+    ages; a feature the run did not use gets no empty card."""
+    logged = {key for record in run.metrics for key in record}
+    optional = [
+        simple_chart(run, title, list(names), y_floor=0.0)
+        for title, names in OPTIONAL_CHARTS
+        if logged.intersection(names)
+    ]
+    if any(key.startswith(TOKEN_AGE) or key == "partial/kv_kept_tokens" for key in logged):
+        optional.append(token_age_chart(run))
+    return _common_charts(run) + optional
 
 
 def _common_charts(run: RunData) -> list[Chart]:
@@ -344,7 +400,13 @@ def _common_charts(run: RunData) -> list[Chart]:
         simple_chart(
             run,
             "Samples per step",
-            ["samples/generated", "samples/trained", "samples/filtered", "samples/failed"],
+            [
+                "samples/generated",
+                "samples/trained",
+                "samples/filtered",
+                "samples/failed",
+                "samples/stale",
+            ],
             y_floor=0.0,
         ),
     ]

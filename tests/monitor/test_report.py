@@ -12,7 +12,7 @@ from honing.backends.launch import train
 from honing.errors import UserError
 from honing.monitor.plots import MAX_POINTS, downsample, format_number, nice_ticks
 from honing.monitor.report import REPORT_FILE, report_main, write_report
-from honing.monitor.report_charts import RunData, stage_times
+from honing.monitor.report_charts import RunData, stacked_bands, stage_times
 from tests.pipeline._configs import small_run_config
 
 CHART_TITLES = [
@@ -281,3 +281,79 @@ def test_a_mixture_of_experts_run_gets_its_routing_chart(run_dir):
     write_jsonl(run_dir / "metrics.jsonl", records)
     card = parse(write_report(run_dir)).cards["Mixture of experts"]
     assert card["svg"] == 1 and card["data"]
+
+
+def feature_record(step: int) -> dict:
+    """The metrics of tools, partial rollouts, the rollout–trainer check, memory and the
+    stale samples of an off-policy schedule."""
+    return {
+        "tool/calls": 6.0,
+        "tool/errors": 1.0,
+        "tool/timeouts": 0.0,
+        "tool/hung_threads": 0.0,
+        "tool/calls_per_sample": 1.5,
+        "tool/turns_per_sample": 2.5,
+        "tool/latency_s": 0.02 * step,
+        "partial/carried_samples": 2.0,
+        "partial/multi_version_samples": 1.0,
+        "partial/ended_stale": 0.0,
+        "partial/tokens_age0": 30.0,
+        "partial/tokens_age1": 10.0,
+        "partial/kv_kept_tokens": 12.0,
+        "rollout_mismatch/prob_diff_mean": 0.001,
+        "rollout_mismatch/prob_diff_max": 0.01,
+        "rollout_mismatch/logprob_diff_max": 0.05,
+        "rollout_mismatch/kl": 0.0002,
+        "system/rss_mb": 900.0 + step,
+        "samples/stale": 2,
+    }
+
+
+FEATURE_CHARTS = [
+    "Tool calls per step",
+    "Tool use per sample",
+    "Tool call latency (s)",
+    "Rollout–trainer probability gap",
+    "Rollout–trainer KL and log-prob gap",
+    "Memory (MiB)",
+    "Partial rollouts: samples",
+    "Partial rollouts: token age",
+]
+
+
+def card_html(html: str, title: str) -> str:
+    return html.split(f"<h3>{title}</h3>")[1].split("</section>")[0]
+
+
+def test_tool_partial_mismatch_and_memory_charts_when_the_run_logged_them(run_dir):
+    """A run that logged none of them gets no card for them (``run_dir``'s); one that did
+    gets a chart of each, and its stale samples in the sample accounting."""
+    assert list(parse(write_report(run_dir)).cards) == CHART_TITLES
+    records = [step_record(step) | feature_record(step) for step in range(1, 6)]
+    write_jsonl(run_dir / "metrics.jsonl", records)
+
+    path = write_report(run_dir)
+
+    page = parse(path)
+    assert list(page.cards) == CHART_TITLES + FEATURE_CHARTS
+    for title in FEATURE_CHARTS:
+        assert page.cards[title]["svg"] == 1 and page.cards[title]["data"], title
+    html = path.read_text(encoding="utf-8")
+    assert "samples/stale 2" in card_html(html, "Samples per step")  # the last value
+    ages = card_html(html, "Partial rollouts: token age")
+    assert "0 versions behind" in ages and "1 version behind" in ages
+    assert "partial/kv_kept_tokens 12" in ages
+    assert "tool/latency_s 0.1" in card_html(html, "Tool call latency (s)")
+    assert "system/rss_mb 905" in card_html(html, "Memory (MiB)")
+    assert "system/gpu_mem_mb" not in card_html(html, "Memory (MiB)")  # not logged: no line
+
+
+def test_token_ages_are_stacked():
+    run = RunData(
+        Path("run"),
+        metrics=[{"step": 1, "partial/tokens_age0": 30.0, "partial/tokens_age1": 10.0}],
+        samples=[],
+        events=[],
+    )
+    bands = stacked_bands({age: dict(run.series(f"partial/tokens_age{age}")) for age in (0, 1)})
+    assert [band.points for band in bands] == [[(1, 0.0, 30.0)], [(1, 30.0, 40.0)]]
