@@ -211,9 +211,10 @@ def run_train(ns: argparse.Namespace) -> int:
     config_path, overrides = _split_args(ns.args)
     config = resolve_config(config_path, overrides)
     from honing.backends.launch import train
-    from honing.pipeline.run import default_output_dir
+    from honing.pipeline.run import after_stop, default_output_dir
 
     run_dir = ns.output_dir or default_output_dir(config_path)
+    ns.after_stop = lambda: after_stop(config, run_dir)  # the last line of a stopped run
     info = train(config, run_dir, resume=ns.resume)
     if not info:  # a data-parallel rank other than 0: rank 0 reports
         return 0
@@ -353,8 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         return stop.exit_status
     except KeyboardInterrupt as stop:
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
-        resume = "resume with --resume auto" if ns.command == "train" else "run it again"
-        print(f"honing: {how}; {resume}", file=sys.stderr)
+        after_stop = getattr(ns, "after_stop", None)  # set by run_train once the config is read
+        if after_stop is not None:
+            then = after_stop()
+        else:
+            then = "resume with --resume auto" if ns.command == "train" else "run it again"
+        print(f"honing: {how}; {then}", file=sys.stderr)
         return stop.exit_status if isinstance(stop, Terminated) else 130
 
 

@@ -1,5 +1,6 @@
 """SIGTERM (schedulers, Kubernetes, torchrun) ends a run as Ctrl-C does: the save in progress
-is abandoned cleanly, the console says how to resume, and the exit status is 143."""
+is abandoned cleanly, the console says how to resume (or that no checkpoint was written), and
+the exit status is 143."""
 
 import json
 import os
@@ -11,9 +12,11 @@ import time
 import pytest
 
 from honing.checkpoint import CheckpointManager
-from honing.cli import stop_on_sigterm
+from honing.cli import main, stop_on_sigterm
 from honing.config import ENV_KEYS
 from honing.errors import Terminated
+from honing.pipeline.loop import TrainLoop
+from tests.pipeline._configs import cli_args
 
 
 @pytest.fixture
@@ -87,3 +90,57 @@ def test_sigterm_ends_a_run_that_resumes_where_it_stopped(tmp_path, micro_model_
     assert resumed.returncode == 0, resumed.stderr
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["kind"] == "resumed"] == [stopped_at]
+
+
+@pytest.fixture
+def sigterm_at_step(monkeypatch):
+    """``sigterm_at_step(n)``: the process sends itself SIGTERM as step ``n`` starts; the
+    CLI's own handler takes it from there."""
+
+    def arm(at: int) -> None:
+        train_step = TrainLoop.train_step
+
+        def step_then_maybe_stop(self, step):
+            if step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here
+            return train_step(self, step)
+
+        monkeypatch.setattr(TrainLoop, "train_step", step_then_maybe_stop)
+
+    return arm
+
+
+@pytest.mark.parametrize(
+    ("every", "then"),
+    [
+        (
+            0,
+            "no checkpoint was written (checkpoint.every=0 saves only the last step), so "
+            "--resume auto starts the run again from step 0; set checkpoint.every=N to keep "
+            "one every N steps",
+        ),
+        (
+            3,
+            "no checkpoint was written yet (checkpoint.every=3: the first at step 3), so "
+            "--resume auto starts the run again from step 0",
+        ),
+        (1, "resume with --resume auto"),
+    ],
+)
+def test_sigterm_says_whether_there_is_a_checkpoint_to_resume_from(
+    tmp_path, micro_model_dir, digit_reward, sigterm_at_step, capsys, every, then
+):
+    """Stopped as step 2 starts: with ``checkpoint.every=0`` (only the last step saved) or
+    before the first save nothing can be resumed, and the last line says so."""
+    run = tmp_path / "run"
+    sigterm_at_step(2)
+    steps = {"trainer.total_steps": 5, "checkpoint.every": every}
+
+    status = main(["train", *cli_args(micro_model_dir, digit_reward, run, **steps)])
+
+    said = capsys.readouterr().err
+    assert status == 143 and "Traceback" not in said, said
+    assert said.strip().splitlines()[-1] == f"honing: terminated (SIGTERM); {then}"
+    held = CheckpointManager(run / "checkpoints", keep=2).complete_steps()
+    assert held == ([1] if every == 1 else [])

@@ -101,6 +101,29 @@ def checkpoint_manager(config: Config, run_dir: Path, on_event=None) -> Checkpoi
     )
 
 
+def after_stop(config: Config, run_dir: Path) -> str:
+    """What to do after Ctrl-C or SIGTERM stopped the run, for its last line: resume when the
+    run directory holds a checkpoint (or a mirror may), else that none was written and how
+    to keep one (``checkpoint.every``)."""
+    try:
+        steps = CheckpointManager(run_dir / "checkpoints", keep=1).complete_steps()
+    except OSError:
+        steps = []
+    if steps or config.checkpoint.mirror_url:
+        return "resume with --resume auto"
+    every = config.checkpoint.every
+    if every:
+        return (
+            f"no checkpoint was written yet (checkpoint.every={every}: the first at step "
+            f"{every}), so --resume auto starts the run again from step 0"
+        )
+    return (
+        "no checkpoint was written (checkpoint.every=0 saves only the last step), so "
+        "--resume auto starts the run again from step 0; set checkpoint.every=N to keep one "
+        "every N steps"
+    )
+
+
 class EventBuffer:
     """Holds the checkpoint manager's events until the run's logger exists, then forwards.
 
