@@ -219,24 +219,36 @@ def run_train(ns: argparse.Namespace) -> int:
     if not info:  # a data-parallel rank other than 0: rank 0 reports
         return 0
     print(f"run: {run_dir}")
+    for line in closing_lines(info):
+        print(line)
+    return 0
+
+
+def closing_lines(info: dict) -> list[str]:
+    """The validation of a finished run (``pipeline.run.summary``): first -> last, with the
+    change in points; a run validated once gets its one figure, no change claimed."""
+    lines = []
     if "val_accuracy_start" in info:
         start, end = info["val_accuracy_start"], info["val_accuracy_end"]
-        print(
-            f"val/accuracy: {start:.3f} at step {info['first_step']} -> {end:.3f} at step "
-            f"{info['last_step']} ({100 * (end - start):+.1f} points, "
-            f"{info['seconds']:.0f} s)"
-        )
-        if info["pass_at_k_key"]:
-            print(
-                f"{info['pass_at_k_key']}: {info['pass_at_k_start']:.3f} -> "
-                f"{info['pass_at_k_end']:.3f}"
+        first, last, seconds = info["first_step"], info["last_step"], info["seconds"]
+        key = info["pass_at_k_key"]
+        if first == last:
+            lines.append(f"val/accuracy: {end:.3f} at step {last} ({seconds:.0f} s)")
+            if key:
+                lines.append(f"{key}: {info['pass_at_k_end']:.3f}")
+        else:
+            lines.append(
+                f"val/accuracy: {start:.3f} at step {first} -> {end:.3f} at step {last} "
+                f"({100 * (end - start):+.1f} points, {seconds:.0f} s)"
             )
+            if key:
+                lines.append(f"{key}: {info['pass_at_k_start']:.3f} -> {info['pass_at_k_end']:.3f}")
     if info.get("val_score_errors"):
-        print(
+        lines.append(
             f"val/score_errors: {info['val_score_errors']} validation scores failed on every "
             "try and were left out of the rates (events.jsonl: val_score_errors)"
         )
-    return 0
+    return lines
 
 
 def run_eval(ns: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 Each case runs the command as ``honing.cli.main(argv)`` in the test's process, with the
 environment, working directory and stderr a user's command would have; in a process of its
 own only where how it starts is what is checked (under a wrapper, a fresh interpreter, the
-supervisor's child). All of them fail before training starts.
+supervisor's child). All of them fail before training starts, but the runs whose closing
+lines (the validation's first and last figures) are read.
 """
 
 import contextlib
@@ -28,16 +29,18 @@ class Ran:
 
     returncode: int
     stderr: str
+    stdout: str = ""
 
 
 def run_cli(argv: list[str], cwd: Path, env: dict[str, str]) -> Ran:
     """``honing ARGV`` in this process, in ``cwd`` with exactly ``env``; both restored."""
-    saved_env, saved_cwd, stderr = dict(os.environ), os.getcwd(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    stdout, stderr = io.StringIO(), io.StringIO()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
             try:
                 status = main(argv)
             except SystemExit as exited:  # argparse's usage errors
@@ -46,7 +49,7 @@ def run_cli(argv: list[str], cwd: Path, env: dict[str, str]) -> Ran:
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
-    return Ran(status, stderr.getvalue())
+    return Ran(status, stderr.getvalue(), stdout.getvalue())
 
 
 def run_train(tmp_path, *args: str, env: dict | None = None, wrap=(), cold=False):
@@ -235,3 +238,48 @@ def test_max_restarts_runs_training_as_a_supervised_child(tmp_path, micro_model_
 def test_checkpoints_of_a_missing_run_is_one_line(tmp_path):
     result = run_cli(["checkpoints", str(tmp_path / "nope")], tmp_path, dict(os.environ))
     assert "no such run directory" in error_line(result)
+
+
+@pytest.mark.parametrize("val_at_start", [True, False])
+def test_the_closing_lines_claim_a_change_only_between_two_validations(
+    tmp_path, micro_model_dir, digit_reward, val_at_start
+):
+    """Validated at steps 0 and 2: first -> last with the change in points. Validated at step
+    2 only: the one figure, no change claimed."""
+    result = run_train(
+        tmp_path,
+        f"model.path={micro_model_dir}",
+        f"reward.function={digit_reward}",
+        "trainer.total_steps=2",
+        f"trainer.val_at_start={str(val_at_start).lower()}",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=2",
+        "rollout.val_samples=2",
+        "trainer.val_every=0",
+        "data.val_size=2",
+        "monitor.console=false",
+        "monitor.tensorboard=false",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"run: {tmp_path / 'run'}"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    first, last = summary["val_accuracy_start"], summary["val_accuracy_end"]
+    first_pass, last_pass = summary["pass_at_k_start"], summary["pass_at_k_end"]
+    assert summary["pass_at_k_key"] == "val/pass@2"
+    seconds = f"{summary['seconds']:.0f} s"
+    if val_at_start:
+        points = f"{100 * (last - first):+.1f} points"
+        assert lines[1:] == [
+            f"val/accuracy: {first:.3f} at step 0 -> {last:.3f} at step 2 ({points}, {seconds})",
+            f"val/pass@2: {first_pass:.3f} -> {last_pass:.3f}",
+        ]
+    else:
+        assert lines[1:] == [
+            f"val/accuracy: {last:.3f} at step 2 ({seconds})",
+            f"val/pass@2: {last_pass:.3f}",
+        ]
