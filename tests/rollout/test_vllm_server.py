@@ -5,6 +5,8 @@ backend), and the start-up checks of its launch flags.
 One server at a time: started once for the module (~25 s) and restarted once, by the test that
 kills it."""
 
+import errno
+import itertools
 import json
 import os
 import signal
@@ -21,11 +23,13 @@ import torch
 pytest.importorskip("vllm")
 
 from honing.cli import main as honing_main  # noqa: E402
-from honing.errors import ConfigError  # noqa: E402
+from honing.errors import ConfigError, UserError  # noqa: E402
 from honing.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from honing.pipeline.partial import PartialPool  # noqa: E402
 from honing.rollout.base import GenerationRequest, SamplingParams, WeightStream  # noqa: E402
+from honing.rollout.remote import vllm_sender  # noqa: E402
 from honing.rollout.remote.engine import EngineUnavailable, OpenAIEngine  # noqa: E402
+from honing.rollout.vllm.weights import write_bucket  # noqa: E402
 from honing.services.process import free_port  # noqa: E402
 from honing.types import Prompt  # noqa: E402
 
@@ -98,6 +102,9 @@ class Server:
 
     def weight_version(self) -> str:
         return httpx.get(f"{self.url}/weight_info").json()["weight_version"]
+
+    def is_paused(self) -> bool:
+        return httpx.get(f"{self.url}/is_paused").json()["is_paused"]
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +303,91 @@ def test_an_async_partial_run_samples_from_the_server(
         parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
         assert m["samples/generated"] == sum(m[k] for k in parts) > 0
         assert "partial/carried_samples" in m  # sampled by the pool, in chunks
+
+
+def no_room_after(count: int):
+    """The bucket writer of a directory that has room for ``count`` bucket files, then
+    none (a full disk)."""
+    written = itertools.count()
+
+    def write(directory, name, tensors):
+        if next(written) >= count:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_bucket(directory, name, tensors)
+
+    return write
+
+
+def test_a_bucket_that_cannot_be_written_first_leaves_the_server_its_weights(
+    server, vllm_model_dir, tokenizer, tmp_path, monkeypatch
+):
+    """No room for the first bucket's file, written before any server is paused: the sync
+    ends in one line naming the directory and the cause, and the server serves on with the
+    weights it had."""
+    local = perturbed(policy(vllm_model_dir, tokenizer), seed=4)
+    engine = engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path))
+    engine.load_weights(4, buckets(local))
+    monkeypatch.setattr(vllm_sender, "write_bucket", no_room_after(0))
+    with pytest.raises(UserError) as failed:
+        engine.load_weights(5, buckets(perturbed(policy(vllm_model_dir, tokenizer), seed=5)))
+    message = str(failed.value)
+    assert f"{tmp_path} (No space left on device)" in message, message
+    assert "no server was touched" in message and "\n" not in message
+    assert server.weight_version() == "4" and not server.is_paused()
+    assert_samples_from(engine, local, tokenizer, seed=4)
+    monkeypatch.undo()
+    engine.load_weights(0, buckets(policy(vllm_model_dir, tokenizer)))  # back, for the others
+    engine.close()
+
+
+def test_a_sync_that_fails_half_way_leaves_no_layer_half_loaded(
+    server, vllm_model_dir, tokenizer, tmp_path, monkeypatch
+):
+    """The disk fills after the first bucket: the update is abandoned, and every layer still
+    waiting for tensors gets back its own. In buckets of three (the embedding, which vLLM
+    pads and so processes at the end, and two of the first attention's three projections)
+    no layer had come whole: the server is as before and serves on. In buckets of five the
+    first attention's projections had come whole and stay new: the server is left paused,
+    its version marked incomplete, the start-up check refuses it and the error line says to
+    restart it; resumed by hand, it samples from exactly that mix (before, vLLM's engine died
+    at the first request after a resume)."""
+    old = policy(vllm_model_dir, tokenizer)
+    new = perturbed(policy(vllm_model_dir, tokenizer), seed=11)
+    items = list(new.state_dict().items())
+    assert [name.split(".")[-2] for name, _ in items[:5]] == [
+        "embed_tokens",
+        *("q_proj", "k_proj", "v_proj", "o_proj"),
+    ]
+    engine = engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path))
+    monkeypatch.setattr(vllm_sender, "write_bucket", no_room_after(1))
+    with pytest.raises(UserError) as failed:
+        engine.load_weights(1, [items[i : i + 3] for i in range(0, len(items), 3)])
+    assert f"{tmp_path} (No space left on device)" in str(failed.value)
+    assert f"{server.url} keeps version 0" in str(failed.value)
+    assert server.weight_version() == "0" and not server.is_paused()
+    assert_samples_from(engine, old, tokenizer, seed=6)
+
+    monkeypatch.setattr(vllm_sender, "write_bucket", no_room_after(1))
+    with pytest.raises(UserError) as failed:
+        engine.load_weights(1, [items[i : i + 5] for i in range(0, len(items), 5)])
+    message = str(failed.value)
+    assert f"{tmp_path} (No space left on device)" in message and "\n" not in message
+    assert f"{server.url} holds part of version 1 over version 0" in message
+    assert message.count("restart it") == 1 and list(tmp_path.iterdir()) == []
+    assert server.is_paused() and server.weight_version().startswith("incomplete")
+    monkeypatch.undo()
+    httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
+    with pytest.raises(ConfigError, match="holds part of one weight version over another"):
+        engine_on(server, tokenizer, "vllm")
+    mixed = policy(vllm_model_dir, tokenizer)
+    with torch.no_grad():
+        for name, tensor in items[1:5]:
+            mixed.get_parameter(name).copy_(tensor)
+    assert_samples_from(engine, mixed, tokenizer, seed=6)
+    # back, for the others
+    httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"}, timeout=30)
+    engine.load_weights(0, buckets(old))
+    engine.close()
 
 
 def test_a_killed_server_is_set_aside_then_sent_the_newest_weights(

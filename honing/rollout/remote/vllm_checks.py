@@ -12,7 +12,9 @@ flag or variable to set.
   distribution); a raw logprob is the model's own, below 0 unless the model is certain of
   that token to float precision (the one case the probe cannot tell apart).
 - Paused: a server a trainer left paused in the middle of a weight update (its RL API's
-  ``GET /is_paused``, in dev mode) holds every request and may hold part-new weights.
+  ``GET /is_paused``, in dev mode) holds every request and may hold part-new weights; one
+  whose ``GET /weight_info`` says ``INCOMPLETE`` holds part of an update a trainer abandoned
+  (paused or resumed since by hand).
 - Weights: ``rollout.weight_sync=vllm`` needs vLLM's RL API (``VLLM_SERVER_DEV_MODE=1``) and
   a weight-transfer backend honing speaks (``--weight-transfer-config``, read from
   ``GET /server_info``); ``tensors`` and ``disk`` are honing's and SGLang's endpoints, which
@@ -31,6 +33,8 @@ LAUNCH = '--weight-transfer-config \'{"backend": "honing"}\''
 PROCESSED = "--logprobs-mode processed_logprobs"
 
 PROMPT = "0123456789"  # the logprobs probe's prompt
+# the weight version of a server left holding part of an update (a sync abandoned half-way)
+INCOMPLETE = "incomplete"
 
 # checks' request: (method, url, path, token, **httpx arguments) -> the answer; raises
 # UserError when the server cannot be reached or refuses the token
@@ -80,12 +84,20 @@ def refuse_other_server(url: str) -> None:
 
 def _not_paused(ask: Ask, url: str, token: str) -> None:
     """A server left paused (a trainer that stopped in the middle of a weight update leaves
-    it so, its weights part old, part new) would hold every request: refused at once."""
+    it so, its weights part old, part new) would hold every request: refused at once; so is
+    one whose weights are marked ``INCOMPLETE``."""
     answer = ask("GET", url, "/is_paused", token)
     if answer.status_code == 200 and answer.json().get("is_paused"):
         raise ConfigError(
             f"rollout.endpoints: {url} is paused (a weight update was left unfinished, so its "
             "weights may be part old, part new): restart it"
+        )
+    answer = ask("GET", url, "/weight_info", token)
+    version = str(answer.json().get("weight_version", "")) if answer.status_code == 200 else ""
+    if version.startswith(INCOMPLETE):
+        raise ConfigError(
+            f"rollout.endpoints: {url} holds part of one weight version over another "
+            f"({version}: a weight update was abandoned half-way): restart it"
         )
 
 

@@ -18,6 +18,16 @@ read from ``GET /server_info``):
 A server that fails on the way is left out of the rest of the sync and reported (the engine
 sets it aside); a restarted one holds its own weights again and is sent the newest before it
 serves (``catch_up``), when the weights can be made again (``WeightStream.again``).
+
+A sync that fails on this side (a bucket file that cannot be written: a full disk; an error
+while making a bucket) never leaves a server in the middle of an update. The first bucket's
+file is written before any server is paused, so a directory without room ends the sync with
+every server as it was. Past that, the update is abandoned on each server (``_abandon``):
+honing's backend puts back every layer still waiting for tensors; a server whose model is then
+as before serves its old weights again, one where layers had got all theirs (and hold them:
+vLLM's reload cannot put them back) is left paused with its version marked ``INCOMPLETE``: it
+needs a restart. A bucket that cannot be written ends the run with one line naming the directory,
+the cause and what each server holds.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from honing.errors import UserError
 from honing.rollout.base import WeightBuckets, WeightStream
 from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
 from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied
-from honing.rollout.remote.vllm_checks import transfer_backend
-from honing.rollout.vllm.weights import write_bucket
+from honing.rollout.remote.vllm_checks import INCOMPLETE, transfer_backend
+from honing.rollout.vllm.weights import PART_NEW, write_bucket
 
 SHARED_MEMORY = "/dev/shm"
 
@@ -52,6 +63,7 @@ class VLLMWeightSender(WeightSender):
         super().__init__(post)
         self.get = get
         self.bucket_dir = Path(bucket_dir or SHARED_MEMORY)
+        self.weight_dir_set = bool(bucket_dir)
         self._channels: dict[str, _Files | _Nccl] = {}  # by endpoint URL, opened on first use
         self._newest: tuple[int, Callable | None] | None = None
         self._names = itertools.count()
@@ -78,19 +90,115 @@ class VLLMWeightSender(WeightSender):
         return True
 
     def _send(self, endpoints: list[Endpoint], version: int, buckets) -> Failures:
-        """Every bucket to every endpoint that keeps answering (see ``_Round``)."""
+        """Every bucket to every endpoint that keeps answering (see ``_Round``). The first
+        bucket's file is written before any server is paused: a directory without room
+        fails the sync while every server still has its weights. A sync that fails here
+        (a bucket that cannot be written, an error making one) is abandoned on every server
+        (``_abandon``)."""
         sync = _Round(endpoints, self._forget)
-        sync.each(self._start)
-        untied = _Untied()
-        for bucket in buckets:
-            files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
-            tensors = untied.tensors(bucket) if files else {}  # once for every server
-            sync.each(lambda e, b=bucket, t=tensors: self._channels[e.url].update(e, b, t))
+        sync.each(self._open)
+        stream, untied = iter(buckets), _Untied()
+        bucket = next(stream, None)
+        files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
+        tensors = untied.tensors(bucket) if files and bucket is not None else {}
+        ready = self._write_first(tensors, endpoints)
+        try:
+            sync.each(self._start)
+            while bucket is not None:
+                sync.each(lambda e, b=bucket, t=tensors: self._update(e, b, t, ready))
+                bucket = next(stream, None)
+                files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
+                tensors = untied.tensors(bucket) if files and bucket is not None else {}
+        except BaseException as err:
+            outcome = self._abandon(sync, version)
+            if isinstance(err, OSError):
+                raise self._unwritable(err, outcome) from None
+            raise
+        finally:
+            for path in ready:
+                path.unlink(missing_ok=True)
         finish = {"weight_version": str(version)}
         sync.each(lambda e: self._calls(e, ("/finish_weight_update", finish), "/resume"))
         for endpoint in sync.live:
             endpoint.version = version
         return sync.end()
+
+    def _write_first(self, tensors: dict, endpoints: list[Endpoint]) -> list[Path]:
+        """The first bucket's file, for the first server that reads files (none when no
+        server does)."""
+        if not tensors:
+            return []
+        try:
+            return [write_bucket(self.bucket_dir, self._file_name(), tensors)]
+        except OSError as err:
+            kept = "; ".join(f"{e.url} keeps version {e.version}" for e in endpoints)
+            raise self._unwritable(err, f"no server was touched ({kept})") from None
+
+    def _update(self, endpoint: Endpoint, bucket: list, tensors: dict, ready: list) -> None:
+        """One bucket to ``endpoint``: a file (the one written ahead, for the first server
+        that takes it) or vLLM's NCCL broadcast."""
+        channel = self._channels[endpoint.url]
+        if isinstance(channel, _Files):
+            channel.update(endpoint, tensors, ready.pop() if ready else None)
+        else:
+            channel.update(endpoint, bucket, tensors)
+
+    def _abandon(self, sync: _Round, version: int) -> str:
+        """Ends the update on every server still in ``sync``, unfinished: honing's backend
+        puts back each layer still waiting for tensors. A server whose model is then as
+        before the update finishes it with its old version and serves again; one whose
+        backend says that layers hold new tensors (``PART_NEW``: the update already ended
+        there) is left paused with its version marked ``INCOMPLETE``, which the start-up check
+        refuses. (vLLM's NCCL engine has no way to abandon an update: such a server is left
+        paused in the middle of it.) Returns what each server holds now."""
+        said = []
+        for endpoint in sync.live:
+            old = endpoint.version
+            try:
+                if not isinstance(self._channels.get(endpoint.url), _Files):
+                    said.append(f"{endpoint.url} is left paused in the middle of it: restart it")
+                elif self._abandoned_whole(endpoint):
+                    finish = {"weight_version": str(old)}
+                    self._calls(endpoint, ("/finish_weight_update", finish), "/resume")
+                    said.append(f"{endpoint.url} keeps version {old}")
+                else:
+                    marked = {"new_version": f"{INCOMPLETE}: part of {version} over {old}"}
+                    self._calls(endpoint, ("/update_weight_version", marked))
+                    said.append(
+                        f"{endpoint.url} holds part of version {version} over version {old} "
+                        "and is left paused: restart it"
+                    )
+            except (Retryable, EngineRequestError) as err:
+                said.append(f"{endpoint.url} could not end the update ({err}): restart it")
+            finally:
+                self._forget(endpoint)
+        return "; ".join(said) or "no server was left in the sync"
+
+    def _abandoned_whole(self, endpoint: Endpoint) -> bool:
+        """Abandons the update on ``endpoint``: whether its model is as before it.
+
+        Raises:
+            Retryable, EngineRequestError: the server failed otherwise.
+        """
+        try:
+            self.post(endpoint, "/update_weights", json={"update_info": {"abandon": True}})
+        except Retryable as err:
+            if PART_NEW not in str(err):
+                raise
+            return False
+        return True
+
+    def _unwritable(self, err: OSError, outcome: str) -> UserError:
+        unset = "" if self.weight_dir_set else " (rollout.weight_dir unset)"
+        where = f"{self.bucket_dir}{unset}"
+        return UserError(
+            f"rollout.weight_sync=vllm: cannot write a weight bucket to {where} "
+            f"({err.strerror or err}); {outcome}. Make room there, or set rollout.weight_dir "
+            "to a directory with room that the servers read"
+        )
+
+    def _file_name(self) -> str:
+        return f"{os.getpid()}-{next(self._names)}"
 
     def _forget(self, endpoint: Endpoint) -> None:
         """Closes the channel of a server that failed: one that comes back is a new one."""
@@ -98,13 +206,16 @@ class VLLMWeightSender(WeightSender):
         if channel is not None:
             channel.close()
 
-    def _start(self, endpoint: Endpoint) -> None:
+    def _open(self, endpoint: Endpoint) -> None:
+        """The channel to ``endpoint``, opened on first use."""
         if endpoint.url not in self._channels:
             info = self.get(endpoint, "/server_info?config_format=json")
             if transfer_backend(info) == "nccl":
                 self._channels[endpoint.url] = _Nccl(self.post, self.get, endpoint)
             else:
-                self._channels[endpoint.url] = _Files(self.post, self.bucket_dir, self._names)
+                self._channels[endpoint.url] = _Files(self.post, self.bucket_dir, self._file_name)
+
+    def _start(self, endpoint: Endpoint) -> None:
         self._calls(endpoint, "/pause?mode=wait", "/start_weight_update")
 
     def _calls(self, endpoint: Endpoint, *calls) -> None:
@@ -146,14 +257,15 @@ class _Files:
     """The ``honing`` backend: a bucket file per ``/update_weights``, which the server deletes
     once read (this side, when the request failed)."""
 
-    def __init__(self, post: Post, directory: Path, names) -> None:
-        self.post, self.directory, self.names = post, directory, names
+    def __init__(self, post: Post, directory: Path, name: Callable[[], str]) -> None:
+        self.post, self.directory, self.name = post, directory, name
 
-    def update(self, endpoint: Endpoint, bucket: list, tensors: dict) -> None:
-        """``tensors``: the bucket on the CPU, a tied weight once."""
+    def update(self, endpoint: Endpoint, tensors: dict, written: Path | None = None) -> None:
+        """``tensors``: the bucket on the CPU, a tied weight once; ``written``: their file,
+        when it was written ahead."""
         if not tensors:
             return
-        path = write_bucket(self.directory, f"{os.getpid()}-{next(self.names)}", tensors)
+        path = written or write_bucket(self.directory, self.name(), tensors)
         try:
             self.post(endpoint, "/update_weights", json={"update_info": {"path": str(path)}})
         finally:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 BACKEND = "honing"  # the backend name in --weight-transfer-config
 BUCKET_PREFIX = "honing-bucket-"
 BUCKET_SUFFIX = ".safetensors"
+# how honing's backend says an update it abandoned left layers new: the server needs a restart
+PART_NEW = "abandoned with layers new"
 
 
 def register() -> None:
@@ -96,28 +99,44 @@ def refresh_tied_head(model) -> bool:
     return tied
 
 
-def redo_cpu_expert_packing(model) -> None:
+def redo_cpu_expert_packing(model) -> list:
     """On a CPU, vLLM pads and prepacks each MoE layer's expert weights for its grouped GEMM
     when they first load, and skips that step when they load again (it keeps the storage for
     CUDA graphs): a reloaded expert weight would not fit the packed storage, or would sit in
-    it unpacked. Forgetting the layer's kernel makes the reload process it as a first load."""
+    it unpacked. Forgetting the layer's kernel makes the reload process it as a first load.
+    Returns the (method, kernel) pairs forgotten, for an update that is abandoned."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
+        return []
+    forgotten = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
+            forgotten.append((method, method.moe_kernel))
             method.moe_kernel = None
+    return forgotten
 
 
-def begin_reload(model) -> None:
+@dataclass
+class Reload:
+    """An update in progress: the MoE kernels put aside (``redo_cpu_expert_packing``) and
+    the layers that wait for their tensors, what ``abandon_reload`` needs."""
+
+    forgotten: list
+    waiting: list
+
+
+def begin_reload(model) -> Reload:
     """The start of a weight update in place: vLLM's layerwise reload set up (each layer
     processed once all its tensors have come), with the CPU expert packing redone."""
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    redo_cpu_expert_packing(model)
+    forgotten = redo_cpu_expert_packing(model)
     initialize_layerwise_reload(model)
+    waiting = [m for m in model.modules() if m in LAYERWISE_INFO and LAYERWISE_INFO[m].can_load()]
+    return Reload(forgotten, waiting)
 
 
 def load_pieces(model, pieces: list) -> set[str]:
@@ -136,3 +155,30 @@ def finish_reload(model, model_config) -> None:
 
     finalize_layerwise_reload(model, model_config)
     refresh_tied_head(model)
+
+
+def abandon_reload(model, model_config, reload: Reload) -> int:
+    """Ends an update that will not be finished (the trainer could not send the rest):
+    every layer still waiting for tensors gets back the ones it had before the update, so
+    that none is left on the meta device (vLLM's engine dies on its next step otherwise) nor
+    processed from a part of its tensors. Returns how many layers hold new tensors: those
+    that got all theirs on the way, which vLLM's reload copied into the model at once and
+    cannot be put back (a layer padded beyond what a checkpoint holds, as an embedding
+    whose vocabulary vLLM rounds up, waits for the end and so is put back). 0: the model is
+    exactly as before the update.
+
+    ``reload``: what ``begin_reload`` returned."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    new = 0
+    for layer in reload.waiting:
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            new += 1  # processed on the way
+            continue
+        info.load_numel, info.loaded_weights = 0, []  # as a layer that got nothing
+    finish_reload(model, model_config)
+    for method, kernel in reload.forgotten:  # the expert layers put back keep their packing
+        if method.moe_kernel is None:
+            method.moe_kernel = kernel
+    return new
