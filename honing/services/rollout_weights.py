@@ -12,7 +12,11 @@ keep their values (a tied weight comes once, under either name).
 
 An update sent bucket by bucket is staged apart from the served weights and applied only by
 its commit, once every bucket came: a refused bucket drops the whole update, and one whose
-client went away mid-way is never applied (the next update's first bucket replaces it).
+client went away mid-way is never applied (the next update's first bucket replaces it). It is
+a trainer's whole model, so its commit also checks that it holds every weight of the served
+model (a tied weight once, under either name: ``check_complete``): a policy with fewer layers
+than the served model (each of its tensors a name and shape the server has) would otherwise
+leave the extra layers' weights as they were, and the server would sample from a mix.
 """
 
 from __future__ import annotations
@@ -89,6 +93,25 @@ def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
             raise Refused(f"weights: {name} has values beyond {target.dtype}'s range")
 
 
+def check_complete(names, own: dict[str, torch.Tensor]) -> None:
+    """Raises ``Refused`` naming the first weight of ``own`` (the served model's state dict)
+    that ``names`` leave out; a weight tied to another (the same storage: an output head
+    tied to the embeddings) counts as sent when either name is."""
+    sent = set(names)
+    tied: dict[tuple, set[str]] = {}
+    for name, tensor in own.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        tied.setdefault(key, set()).add(name)
+    missing = [group for group in tied.values() if not group & sent]
+    if missing:
+        first = min(min(group) for group in missing)
+        raise Refused(
+            f"weights: the update lacks {len(missing)} of the served model's "
+            f"{len(tied)} weights (first: {first}): the policy is not the served model; "
+            "serve the policy's model"
+        )
+
+
 class Staged:
     """The update that arrives in several requests: its id (the client's), the buckets
     taken so far and their tensors, cast to the served dtypes. One at a time: the first
@@ -98,6 +121,7 @@ class Staged:
         self.lock = threading.Lock()
         self.update, self.parts = "", 0
         self.tensors: dict[str, torch.Tensor] = {}
+        self.own: dict[str, torch.Tensor] = {}  # the served model's, as the first part saw it
 
     def add(self, update: str, part: int, data: bytes, own: dict[str, torch.Tensor]) -> int:
         """Stages bucket ``part`` (a safetensors body) of ``update``; returns the buckets
@@ -110,7 +134,7 @@ class Staged:
         """
         with self.lock:
             if part == 0:
-                self.update, self.parts, self.tensors = update, 0, {}
+                self.update, self.parts, self.tensors, self.own = update, 0, {}, own
             elif update != self.update:
                 raise Refused(f"update: {update} is not in progress (its first part is 0)")
             try:
@@ -130,12 +154,13 @@ class Staged:
             return self.parts
 
     def take(self, update: str, parts: int) -> dict[str, torch.Tensor]:
-        """The tensors of ``update``, once all its ``parts`` buckets are staged; nothing is
-        staged afterwards.
+        """The tensors of ``update``, once all its ``parts`` buckets are staged and they
+        hold every weight of the served model (``check_complete``); nothing is staged
+        afterwards.
 
         Raises:
-            Refused: ``update`` is not staged (dropped, replaced or never begun), or has
-                another number of buckets.
+            Refused: ``update`` is not staged (dropped, replaced or never begun), has
+                another number of buckets, or lacks a weight; the update is dropped.
         """
         with self.lock:
             if update != self.update or not self.update:
@@ -144,9 +169,10 @@ class Staged:
                 staged = self.parts
                 self._drop()
                 raise Refused(f"parts: {parts} sent, {staged} staged; the update is dropped")
-            tensors = self.tensors
+            tensors, own = self.tensors, self.own
             self._drop()
+            check_complete(tensors, own)
             return tensors
 
     def _drop(self) -> None:
-        self.update, self.parts, self.tensors = "", 0, {}
+        self.update, self.parts, self.tensors, self.own = "", 0, {}, {}

@@ -483,3 +483,38 @@ def test_losing_every_server_in_a_sync_or_a_generation_ends_the_run_in_one_line(
         sampler.generate(requests_for(tokenizer), SamplingParams(n=1, max_new_tokens=2))
     assert url in str(lost.value) and "\n" not in str(lost.value)
     sampler.close()
+
+
+def test_a_policy_without_a_layer_of_the_served_model_is_refused_at_its_first_sync(
+    micro_model_dir, tokenizer, model, tmp_path
+):
+    """A server holds a 3-layer model and the policy has 2 layers of the same sizes, named
+    in ``rollout.model_name`` (every tensor it sends is a name and shape the server has): the
+    first sync is refused in one line naming a weight it lacks, and the server keeps its
+    weights and version (it would have sampled from its own third layer over the policy's
+    two)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(micro_model_dir)
+    config.num_hidden_layers = 3
+    deeper = tmp_path / "deeper"
+    AutoModelForCausalLM.from_config(config).save_pretrained(deeper)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (deeper / name).write_bytes((micro_model_dir / name).read_bytes())
+    process, url = start_service("rollout", "--model", str(deeper))
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    before = httpx.post(f"{url}/v1/completions", json=body).json()["choices"]
+    served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    engine = OpenAIEngine([url], tokenizer, model=served)
+    try:
+        with pytest.raises(UserError) as refused:
+            engine.load_weights(1, [list(model.state_dict().items())])
+        message = str(refused.value)
+        assert url in message and "\n" not in message
+        assert "lacks 9 of the served model's 29 weights (first: model.layers.2." in message
+        assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+        assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"] == before
+    finally:
+        engine.close()
+        process.kill()
+        process.wait()

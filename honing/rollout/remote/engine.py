@@ -55,6 +55,7 @@ from honing.rollout.remote.http import (
     EngineRequestError,
     EngineUnavailable,
     Retryable,
+    WeightsRefused,
 )
 from honing.rollout.remote.routed_experts import (
     RoutingShape,
@@ -302,7 +303,8 @@ class OpenAIEngine(RolloutEngine):
         An endpoint that is down is set aside; when it is back it is sent the newest weights
         before it serves a request, if the sender can send them again (``disk``, or
         ``tensors`` given a ``WeightStream`` with ``again``), else it waits for the next
-        sync. When no endpoint takes them, ``EngineUnavailable``."""
+        sync. When no endpoint takes them, ``EngineUnavailable``; when one refuses them
+        (HTTP 4xx: they do not fit its model), ``WeightsRefused``: each a ``UserError``."""
         if weights is None:  # nothing to send: the version is all that moves
             for endpoint in self.endpoints:
                 endpoint.version = version
@@ -313,7 +315,11 @@ class OpenAIEngine(RolloutEngine):
         errors = [f"{e.url}: set aside ({e.last_error})" for e in down]
         with self._sync_lock:
             live = [e for e in self.endpoints if e not in down]
-            for endpoint, error in self.sender.send(live, version, weights):
+            try:
+                failures = self.sender.send(live, version, weights)
+            except EngineRequestError as err:  # the weights do not fit a server's model
+                raise WeightsRefused(f"the new weights were refused: {err}") from None
+            for endpoint, error in failures:
                 errors.append(f"{endpoint.url}: {error}")
                 self._set_aside(endpoint, error)
         if len(errors) == len(self.endpoints):
@@ -352,6 +358,8 @@ class OpenAIEngine(RolloutEngine):
                     except Retryable as err:
                         self._set_aside(endpoint, str(err))
                         continue
+                    except EngineRequestError as err:
+                        raise WeightsRefused(f"the newest weights were refused: {err}") from None
             return endpoint
         raise EngineUnavailable(
             "every rollout endpoint is down: "
