@@ -5,15 +5,13 @@
     # TYPE honing_critic_score_mean gauge
     honing_critic_score_mean 0.4375
     ...
-    honing_step 12
+    honing_step 12.0
     honing_last_step_timestamp_seconds 1718000000.25
 
 A daemon thread serves the text exposition format (version 0.0.4) with the standard
-library's HTTP server. The text is written here: names are sanitised and the one label is
-``le`` (a number), so the only text to escape is each ``HELP`` line's source name (backslash
-and newline, as the format requires); it reads back with ``prometheus_client``'s parser. (The
-services' pages, whose label values come from outside, are written by ``prometheus_client``:
-``honing.services.app``.) Each scrape sees the metrics of the
+library's HTTP server; the text is ``prometheus_client``'s (``generate_latest`` over a
+registry of this sink's own, as the services' pages are: ``honing.services.app``), so every
+``HELP`` text and number is written as the format requires. Each scrape sees the metrics of the
 last finished step (the newest value of each name; a name not logged at that step keeps its
 older value, e.g. ``val/accuracy`` between validations).
 
@@ -46,9 +44,13 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
 
 from honing.errors import ConfigError
 
@@ -73,13 +75,9 @@ def prometheus_name(name: str) -> str:
     return PREFIX + _INVALID.sub("_", name).strip("_")
 
 
-def help_text(text: str) -> str:
-    """``text`` as a ``# HELP`` line holds it: backslashes and newlines escaped."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
 def format_sample(value: float) -> str:
-    """A sample value as the text format writes it (``NaN``, ``+Inf``, ``-Inf`` included)."""
+    """A number as the text format writes it (``NaN``, ``+Inf``, ``-Inf`` included): a
+    histogram bucket's ``le``."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -107,16 +105,22 @@ class Histogram:
                 self.counts[bisect.bisect_left(self.bounds, value)] += 1
                 self.total += value
 
-    def lines(self, name: str, source: str) -> list[str]:
-        """The exposition lines: ``_bucket`` per bound (cumulative), ``_sum``, ``_count``."""
-        out = [f"# HELP {name} {help_text(source)} (histogram of the values of every step)"]
-        out.append(f"# TYPE {name} histogram")
-        cumulative = 0
+    def family(self, name: str, source: str) -> HistogramMetricFamily:
+        """The histogram as ``prometheus_client`` writes it: a cumulative count per bound
+        (``+Inf`` last), the sum and the count."""
+        buckets, cumulative = [], 0
         for bound, count in zip([*self.bounds, math.inf], self.counts, strict=True):
             cumulative += count
-            out.append(f'{name}_bucket{{le="{format_sample(bound)}"}} {cumulative}')
-        out += [f"{name}_sum {format_sample(self.total)}", f"{name}_count {cumulative}"]
-        return out
+            buckets.append((format_sample(bound), cumulative))
+        documentation = f"{source} (histogram of the values of every step)"
+        family = HistogramMetricFamily(name, documentation, buckets=buckets)
+        # prometheus_client leaves _count and _sum out where a bucket is below zero (rewards'
+        # are); the text format takes them, and histogram_quantile's users want the count
+        family.samples += [
+            Sample(f"{name}_count", {}, cumulative),
+            Sample(f"{name}_sum", {}, self.total),
+        ]
+        return family
 
 
 class PrometheusSink:
@@ -144,6 +148,8 @@ class PrometheusSink:
         self._histograms: dict[str, tuple[str, Histogram]] = {}  # name -> (source, counts)
         self._step: int | None = None
         self._step_time = math.nan
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
         try:
             self._server = ThreadingHTTPServer((host, port), _handler_for(self))
         except OSError as error:
@@ -183,34 +189,29 @@ class PrometheusSink:
                     self._histograms[prom_name] = (name, Histogram(bounds))
                 self._histograms[prom_name][1].observe(values)
 
-    def render(self) -> str:
-        """The exposition text of the current values."""
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        """The current values as metric families (``prometheus_client``'s collector API)."""
         with self._lock:
             gauges = sorted(self._gauges.items())
             histograms = [
-                histogram.lines(prom_name, source)
+                histogram.family(prom_name, source)
                 for prom_name, (source, histogram) in sorted(self._histograms.items())
             ]
             step, step_time = self._step, self._step_time
-        lines = []
         for prom_name, (source, value) in gauges:
-            lines += [
-                f"# HELP {prom_name} {help_text(source)}",
-                f"# TYPE {prom_name} gauge",
-                f"{prom_name} {format_sample(value)}",
-            ]
-        for histogram_lines in histograms:
-            lines += histogram_lines
+            yield GaugeMetricFamily(prom_name, source, value=value)
+        yield from histograms
         if step is not None:
-            lines += [
-                f"# HELP {PREFIX}step last finished training step",
-                f"# TYPE {PREFIX}step gauge",
-                f"{PREFIX}step {step}",
-                f"# HELP {PREFIX}last_step_timestamp_seconds unix time the last step was logged",
-                f"# TYPE {PREFIX}last_step_timestamp_seconds gauge",
-                f"{PREFIX}last_step_timestamp_seconds {format_sample(step_time)}",
-            ]
-        return "".join(line + "\n" for line in lines)
+            yield GaugeMetricFamily(f"{PREFIX}step", "last finished training step", value=step)
+            yield GaugeMetricFamily(
+                f"{PREFIX}last_step_timestamp_seconds",
+                "unix time the last step was logged",
+                value=step_time,
+            )
+
+    def render(self) -> str:
+        """The exposition text of the current values."""
+        return generate_latest(self._registry).decode("utf-8")
 
     def close(self) -> None:
         """Stops serving and frees the port."""

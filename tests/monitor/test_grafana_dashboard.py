@@ -154,15 +154,15 @@ def test_served_values_are_the_runs_last_step(scraped):
     values = dict(
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
     )
-    assert values["honing_step"] == "3"
+    assert float(values["honing_step"]) == 3
     assert float(values["honing_actor_entropy"]) == logged(run_dir, "actor/entropy")[3]
     assert float(values["honing_async_staleness"]) == logged(run_dir, "async/staleness")[3]
     # the histograms count every step's values: trained rewards, generated responses
     trained = sum(logged(run_dir, "samples/trained").values())
     generated = sum(logged(run_dir, "samples/generated").values())
     assert values["honing_critic_score_count"] == values['honing_critic_score_bucket{le="+Inf"}']
-    assert int(values["honing_critic_score_count"]) == trained
-    assert int(values["honing_response_length_count"]) == generated
+    assert float(values["honing_critic_score_count"]) == trained
+    assert float(values["honing_response_length_count"]) == generated
 
 
 def test_panels_use_the_datasource_variable_and_unique_ids(dashboard):

@@ -23,8 +23,9 @@ def scrape(url):
 
 
 def samples(text):
-    """Metric name -> value string, from the non-comment lines."""
-    return dict(line.split(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    """Metric name -> value, from the non-comment lines."""
+    lines = (line.split(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in lines}
 
 
 @pytest.mark.parametrize(
@@ -61,11 +62,11 @@ def test_serves_latest_values_over_http():
         sink.close()
 
     values = samples(text)
-    assert values["honing_critic_score_mean"] == "0.75"
-    assert values["honing_val_accuracy"] == "0.5"  # kept from step 1 until logged again
-    assert values["honing_actor_grad_norm"] == "NaN"
-    assert values["honing_step"] == "2"
-    assert abs(float(values["honing_last_step_timestamp_seconds"]) - time.time()) < 60
+    assert values["honing_critic_score_mean"] == 0.75
+    assert values["honing_val_accuracy"] == 0.5  # kept from step 1 until logged again
+    assert math.isnan(values["honing_actor_grad_norm"])
+    assert values["honing_step"] == 2
+    assert abs(values["honing_last_step_timestamp_seconds"] - time.time()) < 60
     assert "honing_note" not in values
     assert "# HELP honing_critic_score_mean critic/score/mean" in text
     assert "# TYPE honing_critic_score_mean gauge" in text
@@ -104,19 +105,19 @@ def test_histograms_are_cumulative_prometheus_histograms():
     values = samples(text)
     # le is inclusive: 0.0 falls in le="0.0", 0.5 in le="0.5"; 3.0 only in +Inf; NaN is left out
     buckets = [values[f'honing_critic_score_bucket{{le="{le}"}}'] for le in ("0.0", "0.5", "1.0")]
-    assert buckets == ["1", "3", "4"]
-    assert values['honing_critic_score_bucket{le="+Inf"}'] == "5"
-    assert values["honing_critic_score_count"] == "5"
-    assert float(values["honing_critic_score_sum"]) == 0.0 + 0.25 + 1.0 + 0.5 + 3.0
+    assert buckets == [1, 3, 4]
+    assert values['honing_critic_score_bucket{le="+Inf"}'] == 5
+    assert values["honing_critic_score_count"] == 5
+    assert values["honing_critic_score_sum"] == 0.0 + 0.25 + 1.0 + 0.5 + 3.0
     assert "# TYPE honing_critic_score histogram" in text
     # response lengths in powers-of-two buckets: 1 | 2 | 4 (3, 3) | ... | 64 (40)
-    assert values['honing_response_length_bucket{le="1.0"}'] == "1"
-    assert values['honing_response_length_bucket{le="2.0"}'] == "1"
-    assert values['honing_response_length_bucket{le="4.0"}'] == "3"
-    assert values['honing_response_length_bucket{le="32.0"}'] == "3"
-    assert values['honing_response_length_bucket{le="64.0"}'] == "4"
-    assert values["honing_response_length_sum"] == "47.0"
-    assert values["honing_response_length_count"] == "4"
+    assert values['honing_response_length_bucket{le="1.0"}'] == 1
+    assert values['honing_response_length_bucket{le="2.0"}'] == 1
+    assert values['honing_response_length_bucket{le="4.0"}'] == 3
+    assert values['honing_response_length_bucket{le="32.0"}'] == 3
+    assert values['honing_response_length_bucket{le="64.0"}'] == 4
+    assert values["honing_response_length_sum"] == 47.0
+    assert values["honing_response_length_count"] == 4
 
 
 def test_histogram_of_an_unlisted_name_uses_the_default_buckets():
@@ -129,9 +130,9 @@ def test_histogram_of_an_unlisted_name_uses_the_default_buckets():
     values = samples(text)
     buckets = [name for name in values if name.startswith("honing_reward_latency_ms_bucket")]
     assert len(buckets) == len(DEFAULT_BUCKETS) + 1
-    assert values['honing_reward_latency_ms_bucket{le="0.25"}'] == "1"
-    assert values['honing_reward_latency_ms_bucket{le="5.0"}'] == "1"
-    assert values['honing_reward_latency_ms_bucket{le="+Inf"}'] == "2"
+    assert values['honing_reward_latency_ms_bucket{le="0.25"}'] == 1
+    assert values['honing_reward_latency_ms_bucket{le="5.0"}'] == 1
+    assert values['honing_reward_latency_ms_bucket{le="+Inf"}'] == 2
 
 
 def test_the_text_parses_with_prometheus_own_parser():

@@ -115,7 +115,7 @@ def test_run_logger_from_config_fans_out_to_every_sink(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
             scraped = response.read().decode()
 
-    assert "honing_critic_score_mean 0.5\n" in scraped and "honing_step 1\n" in scraped
+    assert "honing_critic_score_mean 0.5\n" in scraped and "honing_step 1.0\n" in scraped
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record["critic/score/mean"] == 0.5
     assert "step 1/4" in stream.getvalue() and "[alert] rule=entropy_low" in stream.getvalue()
