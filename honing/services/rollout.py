@@ -19,6 +19,10 @@ Endpoints:
   buckets staged as version ``V``, all at once. Nothing of an update is served before its
   commit: a refused bucket drops it, and one left unfinished (its client gone) is replaced by
   the next update's first bucket.
+- ``POST /update_weights/hold``, ``/update_weights/release``: the trainer named in the
+  ``X-Honing-Trainer`` header takes (or renews) the server's hold, or lets go of it; while a
+  trainer holds the server, a weight update from any other is a 409
+  (``honing.rollout.remote.hold``).
 - ``POST /tokenize`` ``{"prompt": TEXT, "add_special_tokens": bool}``: ``{"tokens", "count",
   "max_model_len"}``, as vLLM and SGLang answer it (clients check that their tokenizer is the
   server's).
@@ -76,10 +80,14 @@ from honing.services.completion_request import (
 )
 from honing.services.options import NON_NEGATIVE, CompletionLimits
 from honing.services.rollout_weights import (
+    TRAINER_HEADER,
+    Holder,
     Staged,
+    check_complete,
     check_weights,
     from_body,
     from_directory,
+    hold_for,
 )
 
 MAX_JSON_BYTES = 64 << 20
@@ -134,6 +142,7 @@ class _Served:
         self.engine, self.model_name, self.limits = engine, model_name, limits
         self.turn = threading.Lock()
         self.staged = Staged()  # an update arriving bucket by bucket
+        self.holder = Holder()  # the trainer whose weights it takes
         self.counters = {"requests": 0, "completions": 0}
         # Speculative decoding, under vLLM's counter names so that one client reads both.
         self.speculation = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
@@ -171,10 +180,14 @@ class _Served:
             "weight_version": version,
         }
 
-    def load(self, read, source, version: int) -> None:
-        """The weights ``read(source)`` gives, checked, then applied as ``version``."""
+    def load(self, read, source, version: int, whole: bool = False) -> None:
+        """The weights ``read(source)`` gives, checked (``whole``: every weight of the
+        model), then applied as ``version``."""
         weights = read(source)
-        check_weights(weights, self.engine.model.state_dict())
+        own = self.engine.model.state_dict()
+        check_weights(weights, own)
+        if whole:
+            check_complete(weights, own)
         with self.turn:
             self.engine.load_weights(version, [list(weights.items())])
 
@@ -292,12 +305,14 @@ def rollout_app(
         if not path.is_dir():
             raise Refused(f"model_path: {path} is not a directory on the server")
         version = served.next_version(body.get("version"))
-        await run(served.load, from_directory, path, version)
+        hold_for(served.holder, request.headers)
+        await run(served.load, from_directory, path, version, True)
         return JSONResponse({"success": True, "weight_version": version})
 
     @app.post("/update_weights")
     async def from_request(request: Request) -> JSONResponse:
         version = served.next_version(request.query_params.get("version"))
+        hold_for(served.holder, request.headers)
         data = await read_body(request, max_body_bytes)
         await run(served.load, from_body, data, version)
         return JSONResponse({"success": True, "weight_version": version})
@@ -305,6 +320,7 @@ def rollout_app(
     @app.post("/update_weights/bucket")
     async def stage_bucket(request: Request) -> JSONResponse:
         update, part = _update_query(request, "part")
+        hold_for(served.holder, request.headers)
         data = await read_body(request, max_body_bytes)
         staged = await run(served.stage, update, part, data)
         return JSONResponse({"success": True, "staged": staged})
@@ -313,8 +329,19 @@ def rollout_app(
     async def commit(request: Request) -> JSONResponse:
         update, parts = _update_query(request, "parts")
         version = served.next_version(request.query_params.get("version"))
+        hold_for(served.holder, request.headers)
         await run(served.commit, update, parts, version)
         return JSONResponse({"success": True, "weight_version": version})
+
+    @app.post("/update_weights/hold")
+    async def hold(request: Request) -> JSONResponse:
+        hold_for(served.holder, request.headers)
+        return JSONResponse({"success": True, "hold_s": served.holder.hold_s})
+
+    @app.post("/update_weights/release")
+    async def release(request: Request) -> JSONResponse:
+        served.holder.release(request.headers.get(TRAINER_HEADER, ""))
+        return JSONResponse({"success": True})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

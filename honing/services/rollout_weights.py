@@ -16,7 +16,12 @@ client went away mid-way is never applied (the next update's first bucket replac
 a trainer's whole model, so its commit also checks that it holds every weight of the served
 model (a tied weight once, under either name: ``check_complete``): a policy with fewer layers
 than the served model (each of its tensors a name and shape the server has) would otherwise
-leave the extra layers' weights as they were, and the server would sample from a mix.
+leave the extra layers' weights as they were, and the server would sample from a mix. So is
+an update read from a directory (a model's or a trainer's ``disk`` sync).
+
+One trainer at a time sends a server weights (``honing.rollout.remote.hold``): every weight
+request passes ``hold_for`` first, and one from a trainer other than the one that holds the
+server is a 409.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from honing.rollout.remote.hold import TRAINER_HEADER, HeldElsewhere, Holder
 from honing.services.app import Refused
 
 
@@ -110,6 +116,19 @@ def check_complete(names, own: dict[str, torch.Tensor]) -> None:
             f"{len(tied)} weights (first: {first}): the policy is not the served model; "
             "serve the policy's model"
         )
+
+
+def hold_for(holder: Holder, headers) -> None:
+    """Gives the server to the trainer a weight request names (its ``X-Honing-Trainer``
+    header), or renews its hold (``honing.rollout.remote.hold``).
+
+    Raises:
+        Refused: (409) another trainer holds the server.
+    """
+    try:
+        holder.hold(headers.get(TRAINER_HEADER, ""))
+    except HeldElsewhere as err:
+        raise Refused(str(err), 409) from None
 
 
 class Staged:

@@ -490,9 +490,9 @@ def test_a_policy_without_a_layer_of_the_served_model_is_refused_at_its_first_sy
 ):
     """A server holds a 3-layer model and the policy has 2 layers of the same sizes, named
     in ``rollout.model_name`` (every tensor it sends is a name and shape the server has): the
-    first sync is refused in one line naming a weight it lacks, and the server keeps its
-    weights and version (it would have sampled from its own third layer over the policy's
-    two)."""
+    first sync (tensors or disk) is refused in one line naming a weight it lacks, and the
+    server keeps its weights and version (it would have sampled from its own third layer over
+    the policy's two)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(micro_model_dir)
@@ -505,16 +505,40 @@ def test_a_policy_without_a_layer_of_the_served_model_is_refused_at_its_first_sy
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     before = httpx.post(f"{url}/v1/completions", json=body).json()["choices"]
     served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    engine = OpenAIEngine([url], tokenizer, model=served)
     try:
-        with pytest.raises(UserError) as refused:
-            engine.load_weights(1, [list(model.state_dict().items())])
-        message = str(refused.value)
-        assert url in message and "\n" not in message
-        assert "lacks 9 of the served model's 29 weights (first: model.layers.2." in message
-        assert httpx.get(f"{url}/health").json()["weight_version"] == 0
-        assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"] == before
+        for sync in ("tensors", "disk"):
+            engine = OpenAIEngine(
+                [url], tokenizer, model=served, weight_sync=sync, weight_dir=str(tmp_path / "w")
+            )
+            with pytest.raises(UserError) as refused:
+                engine.load_weights(1, [list(model.state_dict().items())])
+            engine.close()
+            message = str(refused.value)
+            assert url in message and "\n" not in message
+            assert "lacks 9 of the served model's 29 weights (first: model.layers.2." in message
+            assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+            assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"] == before
     finally:
-        engine.close()
         process.kill()
         process.wait()
+
+
+def test_a_server_takes_weights_from_one_trainer_at_a_time(servers, tokenizer, model):
+    """Two trainers on one server: the first to send weights holds it; the second's sync
+    (and an update sent by hand) is refused in one line and changes nothing; once the first
+    closes, the second may send."""
+    url = servers[0]
+    original = [list(model.state_dict().items())]
+    first, second = (OpenAIEngine([url], tokenizer) for _ in "12")
+    first.load_weights(1, original)
+    with pytest.raises(UserError) as refused:
+        second.load_weights(2, original)
+    message = str(refused.value)
+    assert url in message and "one trainer at a time" in message and "\n" not in message
+    assert first.trainer in message
+    assert httpx.post(f"{url}/update_weights/hold").status_code == 409  # no trainer named
+    assert httpx.get(f"{url}/health").json()["weight_version"] == 1
+    first.close()
+    second.load_weights(0, original)
+    assert httpx.get(f"{url}/health").json()["weight_version"] == 0
+    second.close()

@@ -258,6 +258,7 @@ def test_partial_samples_go_on_after_new_weights_with_each_tokens_logprob(
             pool.chunk(seed=5)
     finally:
         engine.load_weights(0, buckets(policy(vllm_model_dir, tokenizer)))
+        engine.close()  # the server lets go of this trainer
     spanned = 0
     for rollout in pool.rollouts(pool.take(), 1):
         versions = torch.tensor(rollout.token_versions())
@@ -388,6 +389,27 @@ def test_a_sync_that_fails_half_way_leaves_no_layer_half_loaded(
     httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"}, timeout=30)
     engine.load_weights(0, buckets(old))
     engine.close()
+
+
+def test_a_server_takes_weights_from_one_trainer_at_a_time(
+    server, vllm_model_dir, tokenizer, tmp_path
+):
+    """Two trainers on one server: the first to send weights holds it (honing's backend
+    keeps the hold); the second is refused in one line before it pauses the server, which
+    keeps serving the first's weights; once the first closes, the second may send."""
+    original = buckets(policy(vllm_model_dir, tokenizer))
+    first, second = (engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path)) for _ in "12")
+    first.load_weights(0, original)
+    with pytest.raises(UserError) as refused:
+        second.load_weights(7, buckets(perturbed(policy(vllm_model_dir, tokenizer), seed=7)))
+    message = str(refused.value)
+    assert server.url in message and "one trainer at a time" in message, message
+    assert "\n" not in message and first.trainer in message
+    assert not server.is_paused() and server.weight_version() == "0"
+    first.close()
+    second.load_weights(0, original)
+    assert server.weight_version() == "0"
+    second.close()
 
 
 def test_a_killed_server_is_set_aside_then_sent_the_newest_weights(

@@ -24,6 +24,9 @@ bucket by bucket, to every endpoint that is up; one that comes back holding othe
 server whose ``/health`` does not say which it holds may) is sent the newest before it serves
 a request, or, when the sender cannot make them again, serves nothing until the next sync.
 
+One trainer at a time: a server that took this engine's weights holds to it (and refuses
+another trainer's) until the engine closes (``honing.rollout.remote.hold``).
+
 Routing replay (R3) of a mixture-of-experts policy: with ``routing`` set, each rollout carries
 the experts the server's routers chose, in vLLM's or SGLang's form
 (``honing.rollout.remote.routed_experts``); against a server that routes only a response's first
@@ -37,6 +40,7 @@ import contextlib
 import itertools
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -50,6 +54,7 @@ from honing.rollout.base import (
 )
 from honing.rollout.remote import http as openai_http
 from honing.rollout.remote.checks import check_servers, check_weight_dir
+from honing.rollout.remote.hold import TRAINER_HEADER, Keeper, lapses_in
 from honing.rollout.remote.http import (
     Endpoint,
     EngineRequestError,
@@ -110,7 +115,9 @@ class OpenAIEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.retries, self.cooldown_s = retries, cooldown_s
         self.stop_ids = stop_ids or {tokenizer.eos_token_id}
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.trainer = uuid.uuid4().hex[:16]  # this trainer, for the servers' hold
+        headers = {TRAINER_HEADER: self.trainer}
+        headers |= {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="honing-openai")
         self.weight_sync = weight_sync
@@ -122,6 +129,7 @@ class OpenAIEngine(RolloutEngine):
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one weight upload at a time
+        self._keeper = Keeper(self, OpenAIEngine._renew)  # the servers that hold to it
         if weight_sync == "disk":
             check_weight_dir(weight_dir)
         self.model = check_servers(
@@ -315,6 +323,7 @@ class OpenAIEngine(RolloutEngine):
         errors = [f"{e.url}: set aside ({e.last_error})" for e in down]
         with self._sync_lock:
             live = [e for e in self.endpoints if e not in down]
+            self._hold(live)
             try:
                 failures = self.sender.send(live, version, weights)
             except EngineRequestError as err:  # the weights do not fit a server's model
@@ -334,8 +343,49 @@ class OpenAIEngine(RolloutEngine):
         return self
 
     def close(self) -> None:
+        """Lets go of the servers that held to this trainer, and of the connections."""
+        held = self._keeper.close()
+        for endpoint in self.endpoints:
+            if endpoint.url in held:
+                with contextlib.suppress(Retryable, EngineRequestError):
+                    self.sender.release(endpoint, self.trainer)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+    def _hold(self, endpoints: list[Endpoint]) -> None:
+        """Has each of ``endpoints`` take weights from this trainer alone, before anything is
+        sent (``honing.rollout.remote.hold``); one that is down is left to the sync.
+
+        Raises:
+            WeightsRefused: a server holds to another trainer.
+        """
+        for endpoint in endpoints:
+            try:
+                held = self._hold_one(endpoint)
+            except Retryable:
+                continue
+            except EngineRequestError as err:
+                raise WeightsRefused(
+                    f"rollout.endpoints: {endpoint.url} takes weights from another trainer: {err}"
+                ) from None
+            if held:
+                self._keeper.add(endpoint.url)
+
+    def _hold_one(self, endpoint: Endpoint) -> bool:
+        """``sender.hold``, asked again once the hold of a trainer that fell silent lapses."""
+        try:
+            return self.sender.hold(endpoint, self.trainer)
+        except EngineRequestError as err:
+            wait = lapses_in(str(err))
+            if wait is None:
+                raise
+        time.sleep(wait)
+        return self.sender.hold(endpoint, self.trainer)
+
+    def _renew(self, url: str) -> None:
+        """The keeper's renewal of the hold of the server at ``url``."""
+        endpoint = next(e for e in self.endpoints if e.url == url)
+        self.sender.renew(endpoint, self.trainer)
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -353,6 +403,7 @@ class OpenAIEngine(RolloutEngine):
             if endpoint.version != self.weight_version:
                 with self._sync_lock:
                     try:
+                        self._hold([endpoint])
                         if not self.sender.catch_up(endpoint):
                             continue  # behind: the next sync brings it up to date
                     except Retryable as err:

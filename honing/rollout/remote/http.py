@@ -23,7 +23,12 @@ class EngineUnavailable(UserError, RuntimeError):
 
 
 class EngineRequestError(ValueError):
-    """An endpoint refused a request as malformed (HTTP 4xx); retrying would not help."""
+    """An endpoint refused a request as malformed (HTTP 4xx, its ``status``); retrying
+    would not help."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class WeightsRefused(UserError, EngineRequestError):
@@ -63,10 +68,21 @@ def request(client: httpx.Client, method: str, endpoint: Endpoint, path: str, **
     except httpx.HTTPError as err:  # connection refused or reset, timeout
         raise Retryable(f"{type(err).__name__}: {err}") from None
     if response.status_code in RETRYABLE_STATUS:
-        raise Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+        raise Retryable(f"HTTP {response.status_code}: {_said(response)}")
     if response.status_code >= 400:
         raise EngineRequestError(
             f"{endpoint.url}{path} refused the request (HTTP {response.status_code}): "
-            f"{response.text[:300]}"
+            f"{_said(response)}",
+            response.status_code,
         )
     return response.json() if response.content else {}  # vLLM's /health answers no body
+
+
+def _said(response: httpx.Response) -> str:
+    """A refusal's message, on one line: the ``error.message`` of the OpenAI-compatible
+    error body (vLLM's, SGLang's, honing's), or the body's start."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    return " ".join(str(message).split())[:300]

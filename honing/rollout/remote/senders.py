@@ -24,6 +24,11 @@ server then waits for the next sync).
 
 Tied weights (an embedding shared with the output head) go once per update, under the first
 name; the server's own tie carries them to the other.
+
+``hold(endpoint, trainer)`` has a server take weights from this trainer alone
+(``honing.rollout.remote.hold``): honing's server through ``POST /update_weights/hold``
+(``tensors`` and ``disk``; a server without it, as SGLang, is not held); ``none`` holds
+nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +70,24 @@ class WeightSender(ABC):
             Retryable: the endpoint failed again.
         """
 
+    def hold(self, endpoint: Endpoint, trainer: str) -> bool:
+        """Has ``endpoint`` take weights from ``trainer`` alone (or renews that); False
+        where the server keeps no such hold.
+
+        Raises:
+            EngineRequestError: the server holds to another trainer (HTTP 409).
+            Retryable: the server failed.
+        """
+        return False
+
+    def renew(self, endpoint: Endpoint, trainer: str) -> None:
+        """``hold`` again, from the thread that keeps the holds (``hold.Keeper``)."""
+        self.hold(endpoint, trainer)
+
+    def release(self, endpoint: Endpoint, trainer: str) -> None:
+        """``endpoint`` no longer holds to ``trainer`` (its engine closes)."""
+        return None
+
     def _to_each(self, endpoints: list[Endpoint], version: int, send_one) -> Failures:
         failures = []
         for endpoint in endpoints:
@@ -93,7 +116,25 @@ class NoSender(WeightSender):
         return True
 
 
-class TensorSender(WeightSender):
+class _HeldOverHTTP(WeightSender):
+    """The hold of ``honing serve rollout``: ``POST /update_weights/hold`` and
+    ``/update_weights/release``, the trainer named in the engine's ``X-Honing-Trainer``
+    header."""
+
+    def hold(self, endpoint: Endpoint, trainer: str) -> bool:
+        try:
+            self.post(endpoint, "/update_weights/hold")
+        except EngineRequestError as err:
+            if err.status in (404, 405):  # a server that keeps no hold (SGLang)
+                return False
+            raise
+        return True
+
+    def release(self, endpoint: Endpoint, trainer: str) -> None:
+        self.post(endpoint, "/update_weights/release")
+
+
+class TensorSender(_HeldOverHTTP):
     """``tensors``: each bucket posted as it comes to honing's server, then a commit (see
     the module)."""
 
@@ -181,7 +222,7 @@ def _once(body: bytes) -> Iterator[bytes]:
     yield body
 
 
-class DiskSender(WeightSender):
+class DiskSender(_HeldOverHTTP):
     """``disk``: a model directory per version under ``weight_dir``, its path posted to
     ``/update_weights_from_disk``; the newest directory stays (a server that comes back loads
     it), older ones are removed once the live servers have the newest."""

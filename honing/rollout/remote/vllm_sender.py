@@ -42,12 +42,16 @@ from urllib.parse import urlsplit
 
 from honing.errors import UserError
 from honing.rollout.base import WeightBuckets, WeightStream
+from honing.rollout.remote.hold import HELD
 from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
 from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied
 from honing.rollout.remote.vllm_checks import INCOMPLETE, transfer_backend
 from honing.rollout.vllm.weights import PART_NEW, write_bucket
 
 SHARED_MEMORY = "/dev/shm"
+# For the calls whose refusal is a worker's error: vLLM's server answers it with HTTP 500,
+# then closes the connection, which the client would otherwise try to use again.
+ONE_REQUEST = {"Connection": "close"}
 
 
 class VLLMWeightSender(WeightSender):
@@ -87,6 +91,34 @@ class VLLMWeightSender(WeightSender):
         failures = self._send([endpoint], version, again())
         if failures:
             raise Retryable(failures[0][1])
+        return True
+
+    def hold(self, endpoint: Endpoint, trainer: str) -> bool:
+        """Through honing's backend (``/init_weight_transfer_engine`` with the trainer's
+        id), before a sync pauses the server; vLLM's NCCL engine keeps no hold."""
+        self._open(endpoint)
+        return self._hold(endpoint, {"trainer": trainer})
+
+    def renew(self, endpoint: Endpoint, trainer: str) -> None:
+        self._hold(endpoint, {"trainer": trainer})  # no channel opened from the keeper
+
+    def release(self, endpoint: Endpoint, trainer: str) -> None:
+        self._hold(endpoint, {"trainer": trainer, "release": True})
+
+    def _hold(self, endpoint: Endpoint, init: dict) -> bool:
+        if not isinstance(self._channels.get(endpoint.url), _Files):
+            return False
+        try:
+            self.post(
+                endpoint,
+                "/init_weight_transfer_engine",
+                json={"init_info": init},
+                headers=ONE_REQUEST,
+            )
+        except Retryable as err:  # vLLM answers a worker's error with HTTP 500
+            if HELD in str(err):
+                raise EngineRequestError(f"{endpoint.url}: {err}", 409) from None
+            raise
         return True
 
     def _send(self, endpoints: list[Endpoint], version: int, buckets) -> Failures:
@@ -180,8 +212,9 @@ class VLLMWeightSender(WeightSender):
         Raises:
             Retryable, EngineRequestError: the server failed otherwise.
         """
+        abandon = {"update_info": {"abandon": True}}
         try:
-            self.post(endpoint, "/update_weights", json={"update_info": {"abandon": True}})
+            self.post(endpoint, "/update_weights", json=abandon, headers=ONE_REQUEST)
         except Retryable as err:
             if PART_NEW not in str(err):
                 raise

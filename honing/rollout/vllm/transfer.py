@@ -11,6 +11,10 @@ were complete keep the new tensors: the abandon then fails saying so (``PART_NEW
 the trainer reports (the server needs a restart); otherwise the model is as before the update
 and the trainer finishes it with the old version.
 
+A server holds to one trainer at a time (``honing.rollout.remote.hold``): the trainer asks for
+it through ``/init_weight_transfer_engine`` before each sync pauses the server, and renews it
+while it lives; another trainer is refused there, before it pauses anything.
+
 vLLM imports this module in its worker processes only (the factory's lazy path, registered
 by ``weights.register``), so it imports vllm at the top; nothing in honing imports it.
 """
@@ -25,6 +29,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from honing.rollout.remote.hold import HeldElsewhere, Holder
 from honing.rollout.vllm.weights import (
     PART_NEW,
     Reload,
@@ -38,7 +43,12 @@ from honing.rollout.vllm.weights import (
 
 @dataclass
 class BucketInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: files need no rendezvous."""
+    """Files need no rendezvous: what is set up is which trainer the server holds to
+    (``honing.rollout.remote.hold``): ``trainer`` takes or renews the hold, or with
+    ``release`` lets go of it."""
+
+    trainer: str = ""
+    release: bool = False
 
 
 @dataclass
@@ -60,9 +70,21 @@ class SharedMemoryTransfer(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo
         super().__init__(*args, **kwargs)
         self._reload = Reload([], [])
         self._abandoned = False
+        self._holder = Holder()
 
     def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
-        pass
+        """Takes, renews or lets go of the trainer's hold.
+
+        Raises:
+            RuntimeError: another trainer holds the server (``hold.HELD``).
+        """
+        if init_info.release:
+            self._holder.release(init_info.trainer)
+            return
+        try:
+            self._holder.hold(init_info.trainer)
+        except HeldElsewhere as err:
+            raise RuntimeError(str(err)) from None
 
     def start_weight_update(self) -> None:
         self._reload = begin_reload(self.model)
