@@ -1,7 +1,9 @@
 """Remote rollout engines: ``honing serve rollout`` processes on loopback, driven by
 ``OpenAIEngine`` the way it would drive vLLM or SGLang servers."""
 
+import errno
 import json
+import os
 
 import httpx
 import pytest
@@ -542,3 +544,45 @@ def test_a_server_takes_weights_from_one_trainer_at_a_time(servers, tokenizer, m
     second.load_weights(0, original)
     assert httpx.get(f"{url}/health").json()["weight_version"] == 0
     second.close()
+
+
+def test_a_full_disk_in_a_disk_sync_is_one_line_and_the_servers_keep_their_weights(
+    servers, tokenizer, model, tmp_path, monkeypatch
+):
+    """``rollout.weight_sync=disk`` cannot write its second shard: one line naming the
+    directory and the cause, nothing half-written left, every bucket still read (a sharded
+    trainer's ranks gather them together), and the servers keep their weights."""
+    import safetensors.torch
+
+    written = []
+
+    def full_after_one(tensors, path):
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(path)
+
+    read = []
+
+    def weights():
+        items = list(model.state_dict().items())
+        for index in range(0, len(items), 5):
+            read.append(index)
+            yield items[index : index + 5]
+
+    weight_dir = tmp_path / "weights"
+    engine = OpenAIEngine(
+        servers,
+        tokenizer,
+        weight_sync="disk",
+        weight_dir=str(weight_dir),
+        model_dir=model.name_or_path,
+    )
+    monkeypatch.setattr(safetensors.torch, "save_file", full_after_one)
+    with pytest.raises(UserError) as failed:
+        engine.load_weights(3, weights())
+    engine.close()
+    message = str(failed.value)
+    assert f"{weight_dir} (No space left on device)" in message and "\n" not in message
+    assert len(read) == len(range(0, len(model.state_dict()), 5))
+    assert list(weight_dir.iterdir()) == []
+    assert {httpx.get(f"{url}/health").json()["weight_version"] for url in servers} == {0}

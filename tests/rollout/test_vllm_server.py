@@ -368,9 +368,17 @@ def test_a_sync_that_fails_half_way_leaves_no_layer_half_loaded(
     assert server.weight_version() == "0" and not server.is_paused()
     assert_samples_from(engine, old, tokenizer, seed=6)
 
+    read = []
+
+    def in_fives():
+        for index in range(0, len(items), 5):
+            read.append(index)
+            yield items[index : index + 5]
+
     monkeypatch.setattr(vllm_sender, "write_bucket", no_room_after(1))
     with pytest.raises(UserError) as failed:
-        engine.load_weights(1, [items[i : i + 5] for i in range(0, len(items), 5)])
+        engine.load_weights(1, in_fives())
+    assert read == list(range(0, len(items), 5))  # every bucket read: ranks gather together
     message = str(failed.value)
     assert f"{tmp_path} (No space left on device)" in message and "\n" not in message
     assert f"{server.url} holds part of version 1 over version 0" in message

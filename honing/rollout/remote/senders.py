@@ -41,6 +41,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from honing.errors import UserError
 from honing.rollout.base import WeightBucket, WeightBuckets, WeightStream
 from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
 
@@ -215,6 +216,13 @@ class _Upload:
         return False
 
 
+def drain(stream: Iterator) -> None:
+    """Reads the buckets left of a sync that failed: under a sharded layout each is a gather
+    every rank takes part in."""
+    for bucket in stream:
+        del bucket
+
+
 def _once(body: bytes) -> Iterator[bytes]:
     """``body`` as a request's content that lets go of it once sent: httpx keeps a request's
     content in a reference cycle with its response, which only the garbage collector frees
@@ -266,13 +274,22 @@ class DiskSender(_HeldOverHTTP):
                 weights_file = item.name.endswith((".safetensors", ".bin", ".pt", ".index.json"))
                 if item.is_file() and not weights_file:
                     shutil.copy2(item, partial / item.name)
-        index, untied = _Index(partial), _Untied()
-        for bucket in weights:
-            index.shard(untied.tensors(bucket))
-            del bucket  # let go before the next is made
-        index.write()
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
+        index, untied, stream = _Index(partial), _Untied(), iter(weights)
+        try:
+            for bucket in stream:
+                index.shard(untied.tensors(bucket))
+                del bucket  # let go before the next is made
+            index.write()
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+        except OSError as err:  # a full disk: the servers keep the weights they have
+            shutil.rmtree(partial, ignore_errors=True)
+            drain(stream)
+            raise UserError(
+                f"rollout.weight_dir: cannot write the weights to {self.weight_dir} "
+                f"({err.strerror or err}); the servers keep the weights they have. Make room "
+                "there, or set rollout.weight_dir to a directory with room that they read"
+            ) from None
         return final
 
 

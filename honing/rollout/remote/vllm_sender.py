@@ -44,7 +44,7 @@ from honing.errors import UserError
 from honing.rollout.base import WeightBuckets, WeightStream
 from honing.rollout.remote.hold import HELD
 from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
-from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied
+from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied, drain
 from honing.rollout.remote.vllm_checks import INCOMPLETE, transfer_backend
 from honing.rollout.vllm.weights import PART_NEW, write_bucket
 
@@ -133,7 +133,11 @@ class VLLMWeightSender(WeightSender):
         bucket = next(stream, None)
         files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
         tensors = untied.tensors(bucket) if files and bucket is not None else {}
-        ready = self._write_first(tensors, endpoints)
+        try:
+            ready = self._write_first(tensors, endpoints)
+        except UserError:
+            drain(stream)
+            raise
         try:
             sync.each(self._start)
             while bucket is not None:
@@ -144,6 +148,7 @@ class VLLMWeightSender(WeightSender):
         except BaseException as err:
             outcome = self._abandon(sync, version)
             if isinstance(err, OSError):
+                drain(stream)
                 raise self._unwritable(err, outcome) from None
             raise
         finally:
