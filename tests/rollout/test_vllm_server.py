@@ -381,7 +381,7 @@ def test_a_sync_that_fails_half_way_leaves_no_layer_half_loaded(
     assert read == list(range(0, len(items), 5))  # every bucket read: ranks gather together
     message = str(failed.value)
     assert f"{tmp_path} (No space left on device)" in message and "\n" not in message
-    assert f"{server.url} holds part of version 1 over version 0" in message
+    assert f"{server.url}: it holds part of version 1 over version 0" in message
     assert message.count("restart it") == 1 and list(tmp_path.iterdir()) == []
     assert server.is_paused() and server.weight_version().startswith("incomplete")
     monkeypatch.undo()
@@ -394,6 +394,40 @@ def test_a_sync_that_fails_half_way_leaves_no_layer_half_loaded(
             mixed.get_parameter(name).copy_(tensor)
     assert_samples_from(engine, mixed, tokenizer, seed=6)
     # back, for the others
+    httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"}, timeout=30)
+    engine.load_weights(0, buckets(old))
+    engine.close()
+
+
+def test_weights_that_do_not_fit_the_served_model_are_refused_in_one_line(
+    server, vllm_model_dir, tokenizer, tmp_path
+):
+    """honing's backend checks each bucket against the checkpoint the server loaded before
+    any of it loads: a tensor of another shape is refused and the server serves its weights
+    on. An update that leaves out a layer the served model has (a policy with fewer layers,
+    named in ``rollout.model_name``) is refused when the trainer confirms it, in one line
+    naming the first tensor it lacks; vLLM has loaded the rest by then, so the server is
+    marked and left paused."""
+    old = policy(vllm_model_dir, tokenizer)
+    items = list(old.state_dict().items())
+    engine = engine_on(server, tokenizer, "vllm", weight_dir=str(tmp_path))
+    wrong = [("model.norm.weight", torch.ones(33)), *items[:4]]
+    with pytest.raises(UserError) as refused:
+        engine.load_weights(1, [wrong, items[4:]])
+    message = str(refused.value)
+    assert "model.norm.weight has shape (33,); the served model's is (64,)" in message
+    assert "it keeps version 0" in message and "\n" not in message
+    assert server.weight_version() == "0" and not server.is_paused()
+
+    fewer = [(name, tensor) for name, tensor in items if ".layers.1." not in name]
+    with pytest.raises(UserError) as refused:
+        engine.load_weights(1, [fewer[i : i + 5] for i in range(0, len(fewer), 5)])
+    message = str(refused.value)
+    assert "lacks vLLM's model.layers.1.input_layernorm.weight of the served" in message
+    assert message.endswith("left paused: restart it") and "\n" not in message
+    assert server.is_paused() and server.weight_version().startswith("incomplete")
+    # back, for the others
+    httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
     httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"}, timeout=30)
     engine.load_weights(0, buckets(old))
     engine.close()

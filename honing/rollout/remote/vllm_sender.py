@@ -46,7 +46,7 @@ from honing.rollout.remote.hold import HELD
 from honing.rollout.remote.http import Endpoint, EngineRequestError, Retryable
 from honing.rollout.remote.senders import Failures, Post, WeightSender, _Untied, drain
 from honing.rollout.remote.vllm_checks import INCOMPLETE, transfer_backend
-from honing.rollout.vllm.weights import PART_NEW, write_bucket
+from honing.rollout.vllm.weights import LACKS, PART_NEW, WONT_FIT, write_bucket
 
 SHARED_MEMORY = "/dev/shm"
 # For the calls whose refusal is a worker's error: vLLM's server answers it with HTTP 500,
@@ -141,7 +141,7 @@ class VLLMWeightSender(WeightSender):
         try:
             sync.each(self._start)
             while bucket is not None:
-                sync.each(lambda e, b=bucket, t=tensors: self._update(e, b, t, ready))
+                sync.each(lambda e, b=bucket, t=tensors: self._update(e, b, t, ready, version))
                 bucket = next(stream, None)
                 files = any(isinstance(self._channels[e.url], _Files) for e in sync.live)
                 tensors = untied.tensors(bucket) if files and bucket is not None else {}
@@ -154,8 +154,7 @@ class VLLMWeightSender(WeightSender):
         finally:
             for path in ready:
                 path.unlink(missing_ok=True)
-        finish = {"weight_version": str(version)}
-        sync.each(lambda e: self._calls(e, ("/finish_weight_update", finish), "/resume"))
+        sync.each(lambda e: self._finish(e, version))
         for endpoint in sync.live:
             endpoint.version = version
         return sync.end()
@@ -171,14 +170,63 @@ class VLLMWeightSender(WeightSender):
             kept = "; ".join(f"{e.url} keeps version {e.version}" for e in endpoints)
             raise self._unwritable(err, f"no server was touched ({kept})") from None
 
-    def _update(self, endpoint: Endpoint, bucket: list, tensors: dict, ready: list) -> None:
+    def _update(self, endpoint: Endpoint, bucket: list, tensors: dict, ready: list, version: int):
         """One bucket to ``endpoint``: a file (the one written ahead, for the first server
-        that takes it) or vLLM's NCCL broadcast."""
+        that takes it) or vLLM's NCCL broadcast.
+
+        Raises:
+            EngineRequestError: honing's backend refused the bucket (``WONT_FIT``); the
+                server serves its old weights again, or is marked and left paused when
+                layers had come whole before (the message says which).
+        """
         channel = self._channels[endpoint.url]
-        if isinstance(channel, _Files):
-            channel.update(endpoint, tensors, ready.pop() if ready else None)
-        else:
+        if not isinstance(channel, _Files):
             channel.update(endpoint, bucket, tensors)
+            return
+        try:
+            channel.update(endpoint, tensors, ready.pop() if ready else None)
+        except Retryable as err:  # vLLM answers a worker's error with HTTP 500
+            if WONT_FIT not in str(err):
+                raise
+            if PART_NEW in str(err):
+                said = self._mark(endpoint, version)
+            else:
+                self._calls(endpoint, "/resume")
+                said = f"it keeps version {endpoint.version}"
+            raise EngineRequestError(f"{endpoint.url} refused the weights: {err}; {said}") from None
+
+    def _finish(self, endpoint: Endpoint, version: int) -> None:
+        """``/finish_weight_update`` as ``version``, then (honing's backend) the confirmation
+        that the update held every tensor of the served model, and ``/resume``.
+
+        Raises:
+            EngineRequestError: it lacked one (``LACKS``); the server is marked and left
+                paused.
+        """
+        self._calls(endpoint, ("/finish_weight_update", {"weight_version": str(version)}))
+        if isinstance(self._channels.get(endpoint.url), _Files):
+            try:
+                self._confirm(endpoint)
+            except Retryable as err:
+                if LACKS not in str(err):
+                    raise
+                said = self._mark(endpoint, version)
+                raise EngineRequestError(f"{endpoint.url}: {err}; {said}") from None
+        self._calls(endpoint, "/resume")
+
+    def _confirm(self, endpoint: Endpoint) -> None:
+        init = {"init_info": {"confirm": True}}
+        self.post(endpoint, "/init_weight_transfer_engine", json=init, headers=ONE_REQUEST)
+
+    def _mark(self, endpoint: Endpoint, version: int) -> str:
+        """Marks a server left holding part of ``version`` over its own ``INCOMPLETE``;
+        what it holds, said."""
+        old = endpoint.version
+        marked = {"new_version": f"{INCOMPLETE}: part of {version} over {old}"}
+        self._calls(endpoint, ("/update_weight_version", marked))
+        return (
+            f"it holds part of version {version} over version {old} and is left paused: restart it"
+        )
 
     def _abandon(self, sync: _Round, version: int) -> str:
         """Ends the update on every server still in ``sync``, unfinished: honing's backend
@@ -199,12 +247,7 @@ class VLLMWeightSender(WeightSender):
                     self._calls(endpoint, ("/finish_weight_update", finish), "/resume")
                     said.append(f"{endpoint.url} keeps version {old}")
                 else:
-                    marked = {"new_version": f"{INCOMPLETE}: part of {version} over {old}"}
-                    self._calls(endpoint, ("/update_weight_version", marked))
-                    said.append(
-                        f"{endpoint.url} holds part of version {version} over version {old} "
-                        "and is left paused: restart it"
-                    )
+                    said.append(f"{endpoint.url}: {self._mark(endpoint, version)}")
             except (Retryable, EngineRequestError) as err:
                 said.append(f"{endpoint.url} could not end the update ({err}): restart it")
             finally:

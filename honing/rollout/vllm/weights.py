@@ -26,6 +26,9 @@ BUCKET_PREFIX = "honing-bucket-"
 BUCKET_SUFFIX = ".safetensors"
 # how honing's backend says an update it abandoned left layers new: the server needs a restart
 PART_NEW = "abandoned with layers new"
+# how it refuses a bucket that does not fit the served model, and an update that lacks a part
+WONT_FIT = "weights do not fit the served model"
+LACKS = "the update lacks"
 
 
 def register() -> None:
@@ -69,6 +72,40 @@ def read_bucket(path: str) -> list:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(bucket)
+
+
+def served_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor in the safetensors files of the directory a vLLM
+    server loaded (read from their headers); empty when ``model_path`` is no such local
+    directory (a hub name), which leaves the checks below out."""
+    from safetensors import safe_open
+
+    directory = Path(model_path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    if not directory.is_dir():
+        return shapes
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(tensors.get_slice(name).get_shape())
+    return shapes
+
+
+def check_pieces(pieces: list, shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """Raises ``ValueError`` (``WONT_FIT``) naming the first piece whose name the served
+    checkpoint lacks or whose shape differs from its tensor's, before any is loaded. An
+    output head tied to the embeddings may come under its own name (a copy of the weights
+    keeps no tie), which vLLM's model skips."""
+    for name, tensor in pieces:
+        if tied and name == "lm_head.weight" and name not in shapes:
+            continue
+        if name not in shapes:
+            raise ValueError(f"{WONT_FIT}: it has no tensor {name}")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{WONT_FIT}: {name} has shape {tuple(tensor.shape)}; the served model's is "
+                f"{shapes[name]}"
+            )
 
 
 def refresh_tied_head(model) -> bool:
