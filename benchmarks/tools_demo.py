@@ -1,11 +1,14 @@
 """The tool demo, measured: held-out accuracy and the calculator's call rate before and after
-GRPO, with tools and without (the same model answering itself), and the training time.
+GRPO, with tools and without (the same model answering itself), the model's build time and
+the training time, under each CPU kernel path this machine can take.
 
-Builds builtin:tiny-tools first (timed apart), then runs `honing train
+For each kernel path (benchmarks/demo_kernels.py's PATHS: native, AVX2, no SIMD), with an
+empty model cache: builds builtin:tiny-tools (timed apart), then runs `honing train
 examples/arithmetic_tools.yaml` (tools) and the same with `rollout.tools=[]` (no tools) into
-fresh directories, and writes benchmarks/results/tools_demo.json and .md.
+fresh directories, and writes benchmarks/results/tools_demo.json and .md. Run it alone:
 
-    .venv/bin/python benchmarks/tools_demo.py [--seeds 1] [override ...]
+    .venv/bin/python -m benchmarks.tools_demo [--paths native,avx2] [--seeds 1] [--tools-only]
+        [override ...]
 """
 
 from __future__ import annotations
@@ -13,124 +16,169 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_curve import run_once  # noqa: E402
+from benchmarks.demo_kernels import PATHS
+from benchmarks.moe import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = "examples/arithmetic_tools.yaml"
 ARMS = {"tools": [], "no tools": ["rollout.tools=[]"]}
 KEYS = ("val/accuracy", "val/pass@2", "val/tool_calls_per_sample", "val/tool_errors")
+BUILD = (
+    "from honing.config import build_config; "
+    "from honing.pipeline.components import resolve_model_path; "
+    "resolve_model_path(build_config({'model.path': 'builtin:tiny-tools'}))"
+)
 
 
-def build_model() -> float:
-    """Seconds to build (or find) builtin:tiny-tools in the model cache."""
-    from honing.config import build_config
-    from honing.pipeline.components import resolve_model_path
-
+def build_model(env: dict[str, str]) -> float:
+    """Seconds to build builtin:tiny-tools into ``env``'s (empty) model cache."""
     started = time.perf_counter()
-    resolve_model_path(build_config({"model.path": "builtin:tiny-tools"}))
+    subprocess.run([sys.executable, "-c", BUILD], check=True, cwd=ROOT, env=env)
     return time.perf_counter() - started
 
 
-def val_points(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    return [
-        {"step": m["step"]} | {k: m[k] for k in KEYS if k in m} for m in rows if "val/accuracy" in m
-    ]
+def train(overrides: list[str], workdir: Path, env: dict[str, str]) -> dict:
+    """One `honing train` of the demo config; its summary, step times and metric rows."""
+    run_dir = workdir / "run"
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "honing.cli", "train", CONFIG, *overrides]
+        + ["--output-dir", str(run_dir), "--resume", "never", "monitor.console=false"],
+        check=True,
+        cwd=ROOT,
+        env=env,
+    )
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = sorted(m["timing_s/step"] for m in rows if "timing_s/step" in m)
+    return {
+        "wall_s": round(wall, 1),
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+        "median_step_s": step_times[len(step_times) // 2],
+        "val": [
+            {"step": m["step"]} | {k: m[k] for k in KEYS if k in m} for m in rows if KEYS[0] in m
+        ],
+        "train": [
+            {
+                "step": m["step"],
+                "score": round(m["critic/score/mean"], 3),
+                "calls_per_sample": round(m["tool/calls_per_sample"], 3),
+                "errors": m["tool/errors"],
+            }
+            for m in rows
+            if "tool/calls_per_sample" in m and "critic/score/mean" in m
+        ],
+    }
 
 
-def train_rates(run_dir: Path) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines if '"tool/calls_per_sample"' in line]
-    return {"train_calls_per_sample": [round(m["tool/calls_per_sample"], 3) for m in rows]}
-
-
-def run_arm(overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as workdir:
-        run = run_once(CONFIG, overrides, Path(workdir))
-        run_dir = Path(workdir) / "run"
-        run |= {"val": val_points(run_dir)} | train_rates(run_dir)
-    run.pop("scores")
-    return run
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def table(results: dict) -> list[str]:
-    lines = [
-        "| arm | seed | val/accuracy start → end | tool calls per val sample start → end "
-        "| training s | median step s | load average before, after |",
-        "|---|---:|---|---|---:|---:|---|",
-    ]
-    for arm, runs in results.items():
-        for seed, run in runs.items():
-            first, last = run["val"][0], run["val"][-1]
-            key = "val/tool_calls_per_sample"
-            calls = f"{first[key]:.3f} → {last[key]:.3f}" if key in first else "no tools"
-            lines.append(
-                f"| {arm} | {seed} | {first['val/accuracy']:.3f} → {last['val/accuracy']:.3f} "
-                f"| {calls} | {run['summary']['seconds']:.0f} "
-                f"| {run['median_step_s']:.2f} | {run['load_average']} |"
-            )
-    return lines
+def run_path(kernels: dict[str, str], arms: dict, seeds: int, overrides: list[str]) -> dict:
+    """Build the model and run every arm and seed under ``kernels``, with a fresh cache."""
+    with tempfile.TemporaryDirectory(prefix="honing-tools-demo-") as scratch:
+        env = os.environ | kernels | {"HONING_CACHE": str(Path(scratch) / "cache")}
+        build_s = build_model(env)
+        print(f"builtin:tiny-tools built in {build_s:.0f} s", flush=True)
+        runs: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+        for seed in range(seeds):
+            for arm, arm_overrides in arms.items():
+                load = os.getloadavg()[0]
+                with tempfile.TemporaryDirectory(dir=scratch) as workdir:
+                    argv = [*overrides, *arm_overrides, f"trainer.seed={seed}"]
+                    run = train(argv, Path(workdir), env)
+                run["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+                runs[arm][seed] = run
+                print(f"{arm}, seed {seed}: {json.dumps(run['val'])}", flush=True)
+    return {"kernels": kernels, "model_build_s": round(build_s, 1), "runs": runs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--paths", default=",".join(PATHS), help="kernel paths, comma-separated")
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--tools-only", action="store_true", help="skip the no-tools arm")
     parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.render:
         write_markdown(json.loads((RESULTS / "tools_demo.json").read_text()))
         return
-    build_s = build_model()
-    print(f"builtin:tiny-tools ready in {build_s:.0f} s", flush=True)
-    results: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
-    for seed in range(args.seeds):
-        for arm, arm_overrides in ARMS.items():
-            overrides = [*args.overrides, *arm_overrides, f"trainer.seed={seed}"]
-            load = os.getloadavg()[0]
-            results[arm][seed] = run = run_arm(overrides)
-            run["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-            print(f"{arm}, seed {seed}: {json.dumps(run['val'])}", flush=True)
+    arms = {"tools": ARMS["tools"]} if args.tools_only else ARMS
+    paths: dict[str, dict] = {}
+    for name in args.paths.split(","):
+        paths[name] = run_path(PATHS[name], arms, args.seeds, args.overrides)
+        write_record(args, paths)  # each path's figures kept as soon as it ends
+
+
+def write_record(args: argparse.Namespace, paths: dict) -> None:
     command = " ".join(
-        ["python benchmarks/tools_demo.py", f"--seeds {args.seeds}", *args.overrides]
+        ["python -m benchmarks.tools_demo", f"--paths {args.paths}", f"--seeds {args.seeds}"]
+        + (["--tools-only"] if args.tools_only else [])
+        + args.overrides
     )
-    machine = f"{cpu_name()}, {os.cpu_count()} cores"
+    import torch
+
+    machine = (
+        f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"(native kernels: {torch.backends.cpu.get_cpu_capability()})"
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"command": command, "machine": machine, "model_build_s": build_s, "runs": results}
+    record = {"command": command, "machine": machine, "paths": paths}
     (RESULTS / "tools_demo.json").write_text(json.dumps(record, indent=1))
     write_markdown(record)
 
 
+def table(paths: dict) -> list[str]:
+    lines = [
+        "| kernels | arm | seed | build s | val/accuracy start → end | val/pass@2 start → end "
+        "| tool calls per val sample start → end | training s | all s "
+        "| load average before, after |",
+        "|---|---|---:|---:|---|---|---|---:|---:|---|",
+    ]
+    for name, path in paths.items():
+        for arm, runs in path["runs"].items():
+            for seed, run in runs.items():
+                first, last = run["val"][0], run["val"][-1]
+
+                def span(key: str, first=first, last=last) -> str:
+                    return f"{first[key]:.3f} → {last[key]:.3f}" if key in first else "no tools"
+
+                lines.append(
+                    f"| {name} | {arm} | {seed} | {path['model_build_s']:.0f} "
+                    f"| {span('val/accuracy')} | {span('val/pass@2')} "
+                    f"| {span('val/tool_calls_per_sample')} | {run['summary']['seconds']:.0f} "
+                    f"| {run['wall_s']:.0f} | {run['load_average']} |"
+                )
+    return lines
+
+
 def write_markdown(record: dict) -> None:
-    results, command, machine = record["runs"], record["command"], record["machine"]
+    paths = record["paths"]
+    environments = [
+        f"{name}: `{' '.join(f'{k}={v}' for k, v in path['kernels'].items()) or '(none)'}`"
+        for name, path in paths.items()
+    ]
     curves = []
-    for arm, runs in results.items():
-        for seed, run in runs.items():
-            curves += [f"\n{arm}, seed {seed}:\n", "| step | " + " | ".join(KEYS) + " |"]
-            curves.append("|---:|" + "---:|" * len(KEYS))
-            for point in run["val"]:
-                values = " | ".join(f"{point[k]:.3f}" if k in point else "-" for k in KEYS)
-                curves.append(f"| {point['step']} | {values} |")
+    for name, path in paths.items():
+        for arm, runs in path["runs"].items():
+            for seed, run in runs.items():
+                curves += [f"\n{name}, {arm}, seed {seed}:\n"]
+                curves.append("| step | " + " | ".join(KEYS) + " |")
+                curves.append("|---:|" + "---:|" * len(KEYS))
+                for point in run["val"]:
+                    values = " | ".join(f"{point[k]:.3f}" if k in point else "-" for k in KEYS)
+                    curves.append(f"| {point['step']} | {values} |")
     (RESULTS / "tools_demo.md").write_text(
-        f"Tool demo ({CONFIG}; no tools: rollout.tools=[]), `{command}`, on {machine}; "
-        f"builtin:tiny-tools built in {record['model_build_s']:.0f} s (0 when cached)\n\n"
-        + "\n".join(table(results) + curves)
+        f"# The tool demo on each CPU kernel path\n\n"
+        f"Command: `{record['command']}`; machine: {record['machine']}. Each kernel path builds "
+        f"builtin:tiny-tools from an empty model cache (build s), then trains {CONFIG} "
+        f"(no tools: `rollout.tools=[]`). Kernel paths: {'; '.join(environments)}.\n\n"
+        + "\n".join(table(paths) + curves)
         + (f"\n\n{record['note']}\n" if record.get("note") else "\n")
     )
 
