@@ -13,9 +13,10 @@ them.
 
 honing reads and steers routing through forward hooks on the routers, so the model's own
 forward, the lean decode step and the packed logprob pass all route the same way. Replaying a
-choice keeps the chosen experts and recomputes the mixing weights from the live router logits
-by the router's own recipe (``honing.models.moe_mixing``), so the router still gets
-gradients.
+choice keeps the chosen experts and takes their mixing weights from the live router: its own
+weights where a token's planned experts are the ones it chose (so replaying its own choice
+changes no bit), else recomputed from its live logits by its recipe
+(``honing.models.moe_mixing``); either way the router still gets gradients.
 """
 
 from __future__ import annotations
@@ -172,6 +173,30 @@ class Routers:
                 )
                 calls.append(self.adapter.form.read(output, self.top_k))
         return calls
+
+
+def replayed_weights(
+    mixing: Mixing,
+    logits: torch.Tensor,
+    weights: torch.Tensor,
+    live: torch.Tensor,
+    used: torch.Tensor,
+) -> torch.Tensor:
+    """[N, k] mixing weights of the replayed experts ``used``: where a token's planned
+    experts are the ones its router chose (``live``, in any order), the router's own
+    ``weights``; elsewhere the recipe's, from the live ``logits``.
+
+    Replaying the router's own choice thus hands the experts the very weights the router
+    computed, bit for bit on any CPU's kernels: a recipe equals the router's arithmetic only
+    as far as a probe shows (a vectorised kernel rounds an element of its scalar tail
+    differently, so a recipe taken over another tensor shape can agree on every probe and
+    still differ by an ulp on one token of another call). The recipe is needed, and used,
+    only for a token routed elsewhere than its router chose."""
+    same = used[:, :, None] == live[:, None, :]  # [N, k, k]: planned slot i is live slot j
+    own = same.any(-1).all(-1, keepdim=True) & same.any(-2).all(-1, keepdim=True)  # [N, 1]
+    slot = same.int().argmax(-1)  # [N, k]: the live slot of each planned expert
+    recomputed = mixing.weights(logits, used, weights.dtype)
+    return torch.where(own, weights.gather(-1, slot), recomputed)
 
 
 def _choice_like(index, weights) -> bool:
@@ -358,7 +383,7 @@ class RoutingSession:
                     "cannot recompute; set algorithm.routing_replay=off"
                 )
             used = torch.where(plan[:, :1] >= 0, plan.to(live.dtype), live)
-            changed = mixing.weights(logits, used, weights.dtype), used
+            changed = replayed_weights(mixing, logits, weights, live, used), used
         if self.record:
             self.recorded[number].append(used.detach().to(routers.index_dtype))
         if self.stats is not None or self.keep_logits:

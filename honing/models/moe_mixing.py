@@ -15,7 +15,9 @@ weights in a handful of ways; each is a ``Mixing`` recipe here:
 
 then renormalised (with an epsilon or not), scaled (``routed_scaling_factor`` and kin) and
 cast to the dtype of the weights the router returned. The recipe of a router is found by
-trying them on one of its own outputs and keeping one that reproduces it bit for bit.
+trying them on its own outputs and keeping one that reproduces them bit for bit. Replay
+uses it only for a token routed elsewhere than its router chose; a token replayed to its
+router's own choice keeps the router's own weights (``honing.models.moe.replayed_weights``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ class Mixing:
     scale: float  # multiplies the weights
     clamp: bool = False  # the sum clamped to at least ``eps`` (ERNIE 4.5's norm_min)
     # an element-wise score taken of the chosen logits only: the same values as of all
-    # logits, but a vectorised kernel may round a tensor of another size differently
+    # logits, but a vectorised kernel may round a tensor of another size differently (an
+    # element in its scalar tail); on the large logits a router chooses the two rarely
+    # differ, so a probe may not tell them apart
     gathered: bool = False
 
     def weights(
@@ -86,14 +90,17 @@ def scales(*holders) -> list[float]:
 def recipes(router: nn.Module, block: nn.Module, config) -> list[Mixing]:
     """Every recipe worth trying on ``router``: each score, plain before renormalised (a
     renormalisation of weights that sum to 1 may change no bit on a small probe), with the
-    scales and the floor of the sum it names."""
+    scales and the floor of the sum it names; an element-wise score of all logits before
+    that of the chosen ones (the tensor a router has at hand first: the recipe then does
+    the router's own arithmetic on the same tensor, exact on any CPU's kernels, where the
+    other may pass a probe by chance)."""
     floor = getattr(router, "norm_min", getattr(block, "norm_min", None))
     sums = [(0.0, False), (1e-20, False), (1e-6, False)]
     if isinstance(floor, float):
         sums.append((floor, True))
     found = []
     for score, normalise, (eps, clamp), scale, gathered in product(
-        SCORES, (False, True), sums, scales(router, block, config), (True, False)
+        SCORES, (False, True), sums, scales(router, block, config), (False, True)
     ):
         useful = (
             (normalise or eps == 0.0)
