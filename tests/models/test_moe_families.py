@@ -72,6 +72,16 @@ def experts_given(routers, model, replay=None):
     return torch.stack(given, 1)
 
 
+def one_choice_changed(plan: torch.Tensor, hashed: list[bool], routers) -> torch.Tensor:
+    """``plan`` [N, L, k] with token 0's first expert in the first layer routed by its logits
+    replaced by the lowest-numbered expert that token was not sent to there."""
+    plan = plan.clone()
+    layer = hashed.index(False)
+    taken = set(plan[0, layer].tolist())
+    plan[0, layer, 0] = min(set(range(routers.num_experts)) - taken)
+    return plan
+
+
 @pytest.mark.parametrize("family", INSTALLED)
 def test_each_family_is_replayed_exactly_or_refused_in_one_line(family):
     found, replay = TABLE.get(family, ("?", "?"))
@@ -89,8 +99,8 @@ def test_each_family_is_replayed_exactly_or_refused_in_one_line(family):
     # metrics: every decision counted in a slot (a looped layer's on every pass), the
     # entropy positive; none where the routers' choice cannot be read (named below)
     stats = RouterStats()
-    with torch.no_grad(), routers.session(stats=stats) as session:
-        model(ids((2, 7)))
+    with torch.no_grad(), routers.session(stats=stats, record=True, probe=True) as session:
+        plain = model(ids((2, 7))).logits
     if not session.unread:
         sums = {k: float(v) for k, v in stats.sums().items()}
         loads = sum(v for k, v in sums.items() if k.startswith("load/"))
@@ -106,15 +116,28 @@ def test_each_family_is_replayed_exactly_or_refused_in_one_line(family):
         return
     assert reason is None
     check_policy_routing(config, model)
+    # the routers' own choice replayed: their own weights, so the same logits bit for bit on
+    # any CPU's kernels; one choice changed (token 0's first expert, in a layer that routes
+    # by its logits) changes them, so the equality is not that of a replay left unapplied
+    hashed = [routers.adapter.hashed(router) for router in routers.routers]
+    [recorded] = session.recorded_calls()
     with torch.no_grad():
-        with routers.session(record=True) as session:
-            plain = model(ids((2, 7))).logits
-        [recorded] = session.recorded_calls()
         with routers.session(replay=recorded.long()):
             again = model(ids((2, 7))).logits
+        with routers.session(replay=one_choice_changed(recorded.long(), hashed, routers)):
+            changed = model(ids((2, 7))).logits
     assert torch.equal(plain, again), "replaying the routers' own choice changed the logits"
+    assert not torch.equal(plain, changed), "a replayed choice of another expert was not used"
+    # the recipe, which weighs a token routed elsewhere than its router chose, gives the
+    # routers' weights of their own choice to float32 rounding: the same formula, where an
+    # element-wise score may be rounded at another place of a vectorised loop (1 ulp), then
+    # divided by a sum of k such and scaled (a few ulps in all)
+    for number, [(logits, weights, live)] in enumerate(session.seen):
+        if not hashed[number]:
+            recipe = routers.mixing_of(number, (logits, weights, live))
+            recomputed = recipe.weights(logits, live, weights.dtype)
+            torch.testing.assert_close(recomputed, weights, rtol=1e-6, atol=0)
     # another choice (each expert number moved by one) reaches the experts as planned
-    hashed = [routers.adapter.hashed(router) for router in routers.routers]
     plan = (recorded.long() + 1) % routers.num_experts
     given = experts_given(routers, model, replay=plan)
     for layer in range(routers.layers):
