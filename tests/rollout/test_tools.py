@@ -198,7 +198,8 @@ def test_bad_calls_are_errors_the_model_reads(body, error):
 @pytest.mark.parametrize(
     ("body", "error"),
     [
-        ("[" * 1000, "malformed tool call: nested too deeply"),
+        ("[" * 1000, "malformed tool call: "),  # too deep, or unclosed: where the stack is
+        ("[" * 100_000, "malformed tool call: nested too deeply"),
         ('{"a": ' * 100_000, "malformed tool call: nested too deeply"),
         ('{"name": "calculator", "arguments": "' + "[" * 1000 + '"}', "are not an object"),
         (
