@@ -4,6 +4,7 @@ one worker, and a test marked ``alone`` with no other test beside it."""
 
 import fcntl
 import os
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -147,3 +148,28 @@ def moe_dirs(tmp_path_factory, micro_model_dir):
         save_model(model, tokenizer, root / family)
         dirs[family] = root / family
     return dirs
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size, mount_point=None)`` mounts a real tmpfs of that size (``"8k"``) at
+    ``mount_point`` (made; a fresh folder of ``tmp_path`` by default) and returns it; the
+    test is skipped where mounting is not permitted."""
+    mounted = []
+
+    def mount(size: str, mount_point: Path | None = None) -> Path:
+        mount_point = mount_point or tmp_path / f"disk-{len(mounted)}"
+        mount_point.mkdir(parents=True)
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or 'not permitted'}")
+        mounted.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounted:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # even if still open

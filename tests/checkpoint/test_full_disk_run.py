@@ -3,7 +3,6 @@ the earlier checkpoint stays loadable, a failed final save stops the run with on
 so does a log file that cannot be written, which is left without a torn line."""
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -15,29 +14,6 @@ from honing.errors import UserError
 from honing.pipeline.supervise import supervise
 from tests.pipeline._configs import cli_args, small_run_config
 from tests.pipeline._warm_python import warm_python
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``tmpfs(size)`` mounts a real tmpfs of that size (``"600k"``) and returns its path."""
-    mounted = []
-
-    def mount(size: str):
-        mount_point = tmp_path / f"disk-{len(mounted)}"
-        mount_point.mkdir()
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or 'not permitted'}")
-        mounted.append(mount_point)
-        return mount_point
-
-    yield mount
-    for mount_point in mounted:
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # even if still open
 
 
 def events_of(run_dir):

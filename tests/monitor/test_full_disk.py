@@ -5,7 +5,6 @@ finds no room gives, and no traceback, a thread's included."""
 
 import errno
 import json
-import subprocess
 import threading
 
 import pytest
@@ -17,28 +16,6 @@ from honing.monitor.sinks import cannot_write
 from tests.pipeline._configs import cli_args
 
 FULL = "the disk is full (0.0 MiB free there); free some space, then resume with --resume auto"
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``tmpfs(path, size)`` mounts a real tmpfs of that size (``"8k"``) at ``path``."""
-    mounted = []
-
-    def mount(mount_point, size):
-        mount_point.mkdir(parents=True)
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or 'not permitted'}")
-        mounted.append(mount_point)
-        return mount_point
-
-    yield mount
-    for mount_point in mounted:
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # even if still open
 
 
 @pytest.fixture
@@ -78,7 +55,7 @@ def test_a_full_disk_under_tensorboard_ends_the_run_with_one_line(
     run as a checkpoint on a full disk does (exit 2, one line), and the event file keeps only
     whole records."""
     run_dir = tmp_path / "run"
-    board = tmpfs(run_dir / "tensorboard", "8k")
+    board = tmpfs("8k", run_dir / "tensorboard")
     steps = {"trainer.total_steps": 40, "checkpoint.every": 0, "monitor.tensorboard": True}
 
     status = main(["train", *cli_args(micro_model_dir, digit_reward, run_dir, **steps)])
@@ -98,7 +75,7 @@ def test_a_full_disk_under_tensorboard_ends_the_run_with_one_line(
 def test_a_tensorboard_event_that_finds_no_room_is_cut_off_whole(tmpfs, tmp_path):
     """The event that does not fit leaves nothing of itself; once there is room again the
     event file goes on, readable to its end."""
-    disk = tmpfs(tmp_path / "disk", "16k")
+    disk = tmpfs("16k", tmp_path / "disk")
     sink = TensorBoardSink(disk / "tb")
     sink.write(1, {"critic/score/mean": 0.5})
     filler = fill(disk)
@@ -115,7 +92,7 @@ def test_a_tensorboard_event_that_finds_no_room_is_cut_off_whole(tmpfs, tmp_path
 
 
 def test_a_full_disk_when_the_event_file_is_made_is_one_line(tmpfs, tmp_path):
-    disk = tmpfs(tmp_path / "disk", "8k")
+    disk = tmpfs("8k", tmp_path / "disk")
     fill(disk)
     with pytest.raises(UserError) as raised:
         TensorBoardSink(disk / "tb")
@@ -130,7 +107,7 @@ def test_an_event_another_thread_cannot_write_ends_the_run_on_its_own_thread(
     """The alert watchdog and webhook failures log events from threads of their own: on a
     full disk nothing is raised there; the run's thread raises the one line at its next call
     to the logger."""
-    disk = tmpfs(tmp_path / "disk", "8k")
+    disk = tmpfs("8k", tmp_path / "disk")
     logger = RunLogger(disk / "run", total_steps=3, tensorboard=False, console=False)
     fill(disk)
 
@@ -149,7 +126,7 @@ def test_an_event_another_thread_cannot_write_ends_the_run_on_its_own_thread(
 def test_a_resume_that_cannot_rewrite_the_metrics_is_one_line(tmpfs, tmp_path):
     """A resumed run rewrites ``metrics.jsonl`` without the steps it redoes: with no room for
     the new file, the old one stays as it was."""
-    disk = tmpfs(tmp_path / "disk", "16k")
+    disk = tmpfs("16k", tmp_path / "disk")
     (disk / "run").mkdir()
     lines = [
         {"step": step, "critic/score/mean": step / 4, "note": "x" * 1000} for step in (1, 2, 3)
@@ -219,7 +196,7 @@ def test_a_full_mlflow_store_ends_the_run_with_one_line(tmpfs, tmp_path, capfd, 
     """MLflow keeping its runs in SQLite on a disk that fills: SQLite says "database or disk
     is full" (``SQLITE_FULL``, no errno), which reads as a full disk too, naming the store."""
     pytest.importorskip("mlflow")
-    disk = tmpfs(tmp_path / "disk", "4m")
+    disk = tmpfs("4m", tmp_path / "disk")
     store = disk / "mlflow.db"
     monitor = {"mlflow_tracking_uri": f"sqlite:///{store}", "console": False, "tensorboard": False}
     logger = RunLogger.from_config(
@@ -240,7 +217,7 @@ def test_a_full_mlflow_store_ends_the_run_with_one_line(tmpfs, tmp_path, capfd, 
 
 
 def test_a_report_that_finds_no_room_is_one_line(tmpfs, tmp_path, capsys):
-    disk = tmpfs(tmp_path / "disk", "8k")
+    disk = tmpfs("8k", tmp_path / "disk")
     run_dir = disk / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
