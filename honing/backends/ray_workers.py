@@ -83,6 +83,7 @@ class RayRolloutEngine(_Pool, RolloutEngine):
         resources = {"num_cpus": settings.rollout_cpus, "num_gpus": settings.rollout_gpus}
         super().__init__(config, control, rid, report, RolloutWorker, resources)
         RolloutEngine.__init__(self, Holding.REMOTE)  # the workers' models, elsewhere
+        self.computes_here = False
         self.model_dir, self.chunk = str(model_dir), settings.rollout_chunk
         self._latest = None  # (version, the ObjectRefs of its buckets)
         self.reconcile(quiet=True)

@@ -42,7 +42,6 @@ from honing.pipeline.weight_sync import send_weights
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
-    Holding,
     RolloutEngine,
     SamplingParams,
     WeightBuckets,
@@ -108,12 +107,13 @@ def leave(group, wait: bool) -> None:
     alive can abort in its C++ teardown ("terminate called without an active exception").
     With ``wait``, first waits until every rank is done with the group, so none closes a
     connection another still reads from; without (a rank failed), leaves at once."""
-    if group is None or group not in _JOINED or not dist.is_initialized():
+    if group is None or group not in _JOINED:
         return
-    if wait:
-        dist.barrier(group=group)
     _JOINED.remove(group)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # (vLLM's shutdown may have destroyed it already)
+        if wait:
+            dist.barrier(group=group)
+        dist.destroy_process_group()
     # destroy_process_group does not join gloo's worker threads. A worker that ran the last
     # collective may still be dropping that work, whose tensors' Python objects need the GIL;
     # if the interpreter is finalizing by then, the worker is forced to exit through a noexcept
@@ -141,15 +141,19 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
         else:
             with lead(group, parts, config) as leader:
                 result = run_training(config, run_dir, parts, prepared, log, peers=leader)
-        leave(group, wait=ended_well)  # all ranks together, unless one failed
+        if ended_well and group is not None:  # all ranks together, unless one failed
+            dist.barrier(group=group)
+        # the engines first: vLLM in a rank tears down the process group it joined
+        done, parts = parts, None
+        close(done)
+        leave(group, wait=False)
         if rank != 0 and ended_well:  # a follower has nothing left to write
-            close(parts)
             exit_now()
         return result
     finally:
-        leave(group, wait=False)  # this rank failed; after a leave, nothing
-        if parts is not None:
+        if parts is not None:  # this rank failed
             close(parts)
+        leave(group, wait=False)  # after a leave, nothing
         if prepared is not None:  # rank 0 lets the run directory go
             prepared.release()
 
@@ -199,13 +203,15 @@ class Leader:
         sharded run's ranks loaded theirs in the ``load`` op)."""
         self.send_state = self.shared is REPLICATED_OPS
 
-    def spread(self, engine: RolloutEngine) -> RolloutEngine:
-        """With ``pipeline.spread_generation``, an in-process engine's calls dealt to every
-        rank (``SpreadEngine``); not with MTP heads, which draft on rank 0 alone."""
+    def spread(self, engine: RolloutEngine, role: str = "engine") -> RolloutEngine:
+        """With ``pipeline.spread_generation``, the calls of an engine that computes in this
+        process (honing's, vLLM in process; each rank has its own) dealt to every rank
+        (``SpreadEngine``); not with MTP heads, which draft on rank 0 alone. ``role``: the
+        field of ``Components`` it is (``engine``, ``val_engine``), the others' engine for
+        its calls."""
         settings = self.config.pipeline
-        in_process = engine.holds is not Holding.REMOTE
-        if settings.spread_generation and in_process and self.parts.trainers.mtp is None:
-            return SpreadEngine(self, engine, settings.rollout_chunk)
+        if settings.spread_generation and engine.computes_here and self.parts.trainers.mtp is None:
+            return SpreadEngine(self, engine, settings.rollout_chunk, role)
         return engine
 
     @contextmanager
@@ -265,9 +271,14 @@ class Follower:
 
 
 def _generate(me: Follower, payload) -> None:
-    version, tasks = payload
-    me.parts.engine.load_weights(version)  # its copy is rank 0's: the label
-    gather_shares(me.parts.engine, tasks, me.group)
+    role, version, tasks = payload
+    engine = getattr(me.parts, role)
+    if engine.weight_version != version:
+        # A replicated policy: the module is rank 0's (the updates keep it so), and an engine
+        # that holds weights of its own (vLLM) loads them from it now. A sharded one's engines
+        # loaded this version in the sync op, which every rank runs.
+        send_weights(me.parts, version, remote=False)
+    gather_shares(engine, tasks, me.group)
 
 
 # What a follower runs for each op rank 0 announces: every member of Op has its entry.
@@ -310,11 +321,11 @@ class SpreadEngine(RolloutEngine):
     them. Generation on another thread (``detached_copy``: the one_step and async schedules)
     stays on rank 0."""
 
-    def __init__(self, leader: Leader, local: RolloutEngine, chunk: int):
+    def __init__(self, leader: Leader, local: RolloutEngine, chunk: int, role: str = "engine"):
         # As rank 0's engine holds: a replicated policy shared (the others' copies follow the
         # updates), or its own copy of a sharded one (every rank's takes the weights).
         super().__init__(local.holds)
-        self.leader, self.local, self.chunk = leader, local, chunk
+        self.leader, self.local, self.chunk, self.role = leader, local, chunk, role
         self._reports, self._ranks = [], 0  # since the last take_report
 
     @property
@@ -328,9 +339,9 @@ class SpreadEngine(RolloutEngine):
         return self.local.detached_copy()
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams):
-        tasks = chunked(requests, params, self.chunk)
+        tasks = chunked(requests, params, self.chunk, by_index=self.local.seeds_by_index)
         leader = self.leader
-        with leader.together(Op.GENERATE, (self.local.weight_version, tasks)):
+        with leader.together(Op.GENERATE, (self.role, self.local.weight_version, tasks)):
             shares = gather_shares(self.local, tasks, leader.group)
         done = {}
         for rollouts_by_task, report in shares:
@@ -351,16 +362,21 @@ class SpreadEngine(RolloutEngine):
 
 
 def gather_shares(engine: RolloutEngine, tasks: list, group) -> list | None:
-    """This rank's tasks (every world-size-th, from its rank) sampled with ``engine``,
-    gathered on rank 0 as each rank's ({task index: rollouts}, engine report); None
-    elsewhere."""
+    """This rank's tasks sampled with ``engine``, gathered on rank 0 as each rank's ({task
+    index: rollouts}, engine report); None elsewhere. The ranks that run one engine together
+    (``shared_by_ranks`` consecutive ones: tensor parallel) form a slot, and slot s takes
+    every slots-th task from s; each of its ranks runs them, the first one's are kept."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    together = engine.shared_by_ranks
+    slots, slot = size // together, rank // together
     mine = {
         index: engine.generate(requests, params)
         for index, (requests, params) in enumerate(tasks)
-        if index % size == rank
+        if index % slots == slot
     }
     share = (mine, engine.take_report())
+    if rank % together:  # the slot's first rank hands in the same samples
+        share = ({}, ({}, []))
     shares = [None] * size if rank == 0 else None
     dist.gather_object(share, shares, dst=0, group=group)
     return shares

@@ -122,6 +122,9 @@ class RolloutConfig:
     vllm_enforce_eager: bool = _opt(True)
     vllm_gpu_memory_utilization: float = _opt(0.5, gt=0.0, le=1.0)
     vllm_sleep: bool = _opt(False)
+    # rollout.engine=vllm under torchrun: each rank holds a vLLM engine; with N > 1 every N
+    # consecutive ranks share one, tensor-parallel (its sampling is the same on each of them)
+    tensor_parallel: int = _opt(1, ge=1)
     # Multi-turn rollouts with tools (honing/rollout/tools/turns.py): python (code run in
     # honing's sandbox), calculator, package.module:function or path/file.py:function; empty =
     # one turn. A turn ends at the format's closing tag; its calls run (at most

@@ -60,7 +60,7 @@ class TrainLoop:
         self.config = config
         engine = self.peers.spread(parts.engine)  # under torchrun every rank may sample
         same = parts.val_engine is parts.engine  # then it stays one engine
-        val_engine = engine if same else self.peers.spread(parts.val_engine)
+        val_engine = engine if same else self.peers.spread(parts.val_engine, "val_engine")
         parts = replace(parts, engine=engine, val_engine=val_engine)
         self.parts = parts
         self.logger = logger

@@ -47,7 +47,7 @@ class Peers(Protocol):
 
     def weights_changed(self) -> None: ...
 
-    def spread(self, engine: RolloutEngine) -> RolloutEngine: ...
+    def spread(self, engine: RolloutEngine, role: str = "engine") -> RolloutEngine: ...
 
 
 class Alone:
@@ -66,6 +66,7 @@ class Alone:
         """This process loaded other weights (a resume, a rollback): nobody to tell."""
         return None
 
-    def spread(self, engine: RolloutEngine) -> RolloutEngine:
-        """The engine generation uses: ``engine`` itself."""
+    def spread(self, engine: RolloutEngine, role: str = "engine") -> RolloutEngine:
+        """The engine generation uses: ``engine`` itself (``role``: the field of
+        ``Components`` it is, ``engine`` or ``val_engine``)."""
         return engine

@@ -31,6 +31,7 @@ from honing.config import Config
 from honing.config.tree import ModelConfig, RolloutConfig
 from honing.errors import ConfigError
 from honing.models.loading import check_model_dir, load_causal_lm
+from honing.pipeline.rules import check_config
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
 from honing.trainer.engine import TrainerEngine
@@ -57,25 +58,12 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
     size = f"{count / 1e6:.0f}M parameters"
     if device_type(config) != "cuda":
         return "transformers", f"{size}; on a CPU honing's engine trains faster per step"
-    rollout, algo = config.rollout, config.algorithm
-    blocked = (
-        (world_size > 1, "torchrun ranks"),
-        (config.pipeline.backend != "local", f"pipeline.backend={config.pipeline.backend}"),
-        (rollout.speculative != "off", f"rollout.speculative={rollout.speculative}"),
-        (rollout.gen_timeout_s > 0, "rollout.gen_timeout_s"),
-        (algo.routing_replay == "R3", "routing replay R3"),
-        (config.trainer.strategy == "fsdp", "trainer.strategy=fsdp"),
-        (rollout.vllm_sleep and config.schedule.mode != "sync", "vllm_sleep off sync"),
-    )
-    for yes, what in blocked:
-        if yes:
-            return "transformers", f"{size}; vLLM in process does not take {what}"
     if importlib.util.find_spec("vllm") is None:
         return "transformers", f'{size}; vLLM is not installed: pip install -e ".[vllm]"'
-    from honing.rollout.vllm.engine import vllm_available
-
-    if (problem := vllm_available()) is not None:  # installed, but it does not import
-        return "transformers", f"{size}; {problem}"
+    try:  # what vLLM in process takes is the rules' to say
+        check_config(replace(config, rollout=replace(config.rollout, engine="vllm")), world_size)
+    except ConfigError as err:
+        return "transformers", f"{size}; vLLM in process does not take this run: {err}"
     return "vllm", f"{size}: on a GPU vLLM pays from {VLLM_FROM_PARAMETERS // 10**6}M"
 
 
@@ -264,6 +252,8 @@ def vllm_engine(
         seed=config.trainer.seed,
         # partial rollouts keeping a sample's cache keep its vLLM request alive instead
         prefix_caching=config.schedule.partial_kv != "keep",
+        torchrun=trainer.world_size > 1,  # an engine in every rank
+        tensor_parallel=rollout.tensor_parallel,
     )
     try:
         return VLLMEngine(

@@ -361,26 +361,17 @@ def _backend(config: Config, world_size: int) -> None:
 
 
 def _vllm(config: Config, world_size: int) -> None:
-    """``rollout.engine=vllm``: vLLM is installed, one process holds it, and the settings
-    honing's own engine alone has are off."""
+    """``rollout.engine=vllm``: vLLM is installed and the settings honing's own engine alone
+    has are off; under torchrun every rank holds an engine, shared by
+    ``rollout.tensor_parallel`` consecutive ranks."""
     rollout = config.rollout
+    _tensor_parallel(config, world_size)
     if rollout.engine != "vllm":
         return
     from honing.rollout.vllm.engine import vllm_available
 
     if (hint := vllm_available()) is not None:
         raise ConfigError(hint)
-    if world_size > 1:
-        raise ConfigError(
-            "rollout.engine=vllm holds vLLM in one process; under torchrun use vLLM servers "
-            "(rollout.engine=openai, rollout.weight_sync=vllm)"
-        )
-    if config.trainer.strategy == "fsdp":
-        raise ConfigError(
-            "rollout.engine=vllm takes the whole policy in this process; with "
-            "trainer.strategy=fsdp use vLLM servers (rollout.engine=openai, "
-            "rollout.weight_sync=vllm)"
-        )
     if rollout.vllm_sleep and config.schedule.mode != "sync":
         raise ConfigError(
             "rollout.vllm_sleep frees vLLM's memory while the trainer updates, which under "
@@ -398,6 +389,36 @@ def _vllm(config: Config, world_size: int) -> None:
             "honing does not ask it for them: use R2 (the trainer's own first pass), "
             "rollout.engine=transformers, or vLLM servers started with "
             "--enable-return-routed-experts"
+        )
+
+
+def _tensor_parallel(config: Config, world_size: int) -> None:
+    """``rollout.tensor_parallel=N``: vLLM in each torchrun rank, shared by N consecutive
+    ranks that make every generate call together."""
+    n = config.rollout.tensor_parallel
+    if n == 1:
+        return
+    key = f"rollout.tensor_parallel={n}"
+    if config.rollout.engine != "vllm":
+        raise ConfigError(
+            f"{key} applies to rollout.engine=vllm (vLLM in each torchrun rank); start servers "
+            "with their own --tensor-parallel-size, or set rollout.tensor_parallel=1"
+        )
+    if world_size % n or world_size < n:
+        raise ConfigError(
+            f"{key}: vLLM is shared by groups of {n} torchrun ranks; {world_size} rank(s) do "
+            f"not split into them: launch a multiple of {n} ranks"
+        )
+    if not config.pipeline.spread_generation:
+        raise ConfigError(
+            f"{key}: the ranks that share an engine generate together; set "
+            "pipeline.spread_generation=true"
+        )
+    if config.schedule.mode != "sync":
+        raise ConfigError(
+            f"{key}: schedule.mode={config.schedule.mode} generates on rank 0's thread alone, "
+            "and a tensor-parallel engine needs its other ranks in every call; use "
+            "schedule.mode=sync or rollout.tensor_parallel=1"
         )
 
 

@@ -38,8 +38,9 @@ def send_weights(parts: Components, version: int, remote: bool = True, kept: boo
     """Makes the engines sample from the policy's current weights as ``version``: one that
     shares the trainer's module records the version; any other is sent the weights. Under a
     sharded layout every rank runs this (each tensor is gathered from all of them) and each
-    loads its own in-process engines; the weights go to engines elsewhere (inference
-    servers) from rank 0 alone (``remote``), the others taking part in the gathers only.
+    loads its own in-process engines (vLLM in each rank included); the weights go to engines
+    elsewhere (inference servers) from rank 0 alone (``remote``), the others taking part in
+    the gathers only.
 
     ``kept``: the trainer keeps these weights until the next call and nothing samples while
     they change (the sync schedule), so an engine may read them again from the live module
@@ -56,7 +57,7 @@ def send_weights(parts: Components, version: int, remote: bool = True, kept: boo
     for engine in dict.fromkeys([parts.val_engine, parts.engine]):  # the same one once
         if engine.holds is Holding.SHARED:
             engine.load_weights(version)
-        elif engine.holds is Holding.COPY or remote:
+        elif engine.holds is Holding.COPY or remote or engine.computes_here:
             again = None
             if kept and not parts.trainers.policy.is_sharded:
                 again = partial(rollout_weights, parts, engine)

@@ -32,6 +32,8 @@ class SamplingParams:
         seed: seeds this call's sampling, so a step's rollouts do not depend on history.
         stop_ids: token ids that end a response besides the engine's own end-of-sequence
             ones (a tool call's closing tag); a response ended by one counts as ``stop``.
+        first_index: the position of the call's first request in the call it was cut from
+            (``chunked``), for an engine that ``seeds_by_index``.
     """
 
     n: int = 1
@@ -43,6 +45,7 @@ class SamplingParams:
     greedy: bool = False
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+    first_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,11 +103,23 @@ class RolloutEngine(ABC):
     processes). ``take_report`` hands over the metrics and events of the calls since the last
     take; ``regenerated`` counts samples generated again after a worker or server failed;
     ``close`` releases connections and workers.
+
+    ``computes_here``: it generates with this process's own compute (honing's engine, vLLM
+    in process), so that under torchrun every rank's engine can take a share of a call; not
+    an engine whose work is done elsewhere (servers, Ray workers). ``seeds_by_index``: each
+    request is sampled from the call's seed and its index in the whole call
+    (``SamplingParams.first_index`` plus its position), so the tasks ``chunked`` cuts from a
+    call sample what the whole call would, whichever process runs each. ``shared_by_ranks``:
+    how many consecutive torchrun ranks run the engine together (vLLM tensor-parallel over
+    them), each of which must make the same calls.
     """
 
     weight_version: int = 0  # the policy version it samples from
     regenerated: int = 0
     keeps_kv: bool = False  # continues keyed requests from their kept cache (see the request)
+    computes_here: bool = True
+    seeds_by_index: bool = False
+    shared_by_ranks: int = 1
 
     def __init__(self, holds: Holding) -> None:
         self.holds = holds
@@ -128,14 +143,19 @@ class RolloutEngine(ABC):
 
 
 def chunked(
-    requests: list[GenerationRequest], params: SamplingParams, size: int
+    requests: list[GenerationRequest], params: SamplingParams, size: int, by_index: bool = False
 ) -> list[tuple[list[GenerationRequest], SamplingParams]]:
     """``requests`` as tasks of ``size`` prompts, each with a seed of its own derived from
-    its position: the samples of a task do not depend on which worker or rank runs it."""
+    its position: the samples of a task do not depend on which worker or rank runs it. With
+    ``by_index`` (an engine that ``seeds_by_index``), each task keeps the call's seed and
+    says where it starts, so the tasks together sample what the whole call would."""
+
+    def params_of(start: int) -> SamplingParams:
+        if by_index:
+            return replace(params, first_index=params.first_index + start)
+        return replace(params, seed=task_seed(params.seed, start))
+
     return [
-        (
-            requests[start : start + size],
-            replace(params, seed=task_seed(params.seed, start)),
-        )
+        (requests[start : start + size], params_of(start))
         for start in range(0, len(requests), size)
     ]

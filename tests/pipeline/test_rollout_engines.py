@@ -76,21 +76,27 @@ def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
 @pytest.mark.parametrize(
     ("overrides", "world_size", "reason"),
     [
-        ({"rollout.speculative": "ngram"}, 1, "rollout.speculative=ngram"),
+        ({"rollout.speculative": "ngram"}, 1, "rollout.speculative applies to honing's"),
         ({"rollout.gen_timeout_s": 5.0}, 1, "rollout.gen_timeout_s"),
         ({"algorithm.routing_replay": "R3"}, 1, "R3"),
         ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
-        ({}, 2, "torchrun"),
-        ({"trainer.strategy": "fsdp"}, 1, "fsdp"),
         ({"rollout.vllm_sleep": True, "schedule.mode": "async"}, 1, "vllm_sleep"),
     ],
 )
 def test_settings_vllm_cannot_take_keep_honing_s_engine(
     large_config_dir, on_cuda, overrides, world_size, reason
 ):
+    """What vLLM in process cannot take is the rules' to say: the choice quotes them."""
     engine, said = _chosen(large_config_dir, world_size, **overrides)
     assert engine == "transformers"
-    assert reason in said[0]
+    assert "vLLM in process does not take this run: " in said[0] and reason in said[0]
+
+
+@needs_vllm
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_torchrun_ranks_on_gpus_take_vllm_in_each_rank(large_config_dir, on_cuda, strategy):
+    engine, said = _chosen(large_config_dir, 2, **{"trainer.strategy": strategy})
+    assert engine == "vllm", said
 
 
 def test_without_vllm_installed_honing_s_engine_is_chosen(large_config_dir, on_cuda, monkeypatch):

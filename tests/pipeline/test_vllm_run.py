@@ -105,7 +105,6 @@ def test_what_vllm_cannot_do_is_refused_in_one_line(vllm_model_dir, micro_model_
         return str(caught.value)
 
     assert "rollout.gen_timeout_s" in refused(vllm_model_dir, **{"rollout.gen_timeout_s": 5.0})
-    assert "torchrun" in refused(vllm_model_dir, world_size=2)
     assert "rollout.speculative" in refused(vllm_model_dir, **{"rollout.speculative": "ngram"})
     assert "R3" in refused(vllm_model_dir, **{"algorithm.routing_replay": "R3"})
     # the micro model's head size (16) has no kernel in vLLM's CPU attention

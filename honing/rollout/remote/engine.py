@@ -111,6 +111,7 @@ class OpenAIEngine(RolloutEngine):
         if not endpoints:
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
         super().__init__(Holding.REMOTE)
+        self.computes_here = False  # the servers generate
         self.endpoints = [Endpoint(_base_url(url)) for url in endpoints]
         self.tokenizer = tokenizer
         self.retries, self.cooldown_s = retries, cooldown_s

@@ -95,6 +95,8 @@ class ToolEngine(RolloutEngine):
         self.close_id = close[0]
         self.responses = ToolResponses(tokenizer)
         self.keeps_kv = False
+        self.computes_here = inner.computes_here  # each torchrun rank runs its own turns
+        self.shared_by_ranks = inner.shared_by_ranks
         self._report: dict[str, float] = {}
 
     @property

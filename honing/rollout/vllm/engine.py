@@ -48,7 +48,10 @@ class VLLMSettings:
     """How vLLM runs: its KV cache (CPU: bytes reserved; CUDA: 0 lets
     ``gpu_memory_utilization`` size it), eager or compiled (CUDA graphs), CUDA's share of the
     GPU and sleep mode between generations, sequences in flight, the weights' dtype; the
-    prefix cache (off: the engine keeps live requests' caches across updates, ``keeps_kv``)."""
+    prefix cache (off: the engine keeps live requests' caches across updates, ``keeps_kv``);
+    ``torchrun``: vLLM joins the torchrun ranks' process group (vLLM's external launcher: each
+    rank's engine on its own device), tensor-parallel over groups of ``tensor_parallel``
+    consecutive ranks, which all generate the same requests."""
 
     kv_cache_mb: int = 256
     enforce_eager: bool = True
@@ -58,6 +61,8 @@ class VLLMSettings:
     dtype: str = "float32"
     seed: int = 0
     prefix_caching: bool = True
+    torchrun: bool = False
+    tensor_parallel: int = 1
 
 
 def vllm_available() -> str | None:
@@ -87,6 +92,17 @@ def model_problem(model_config, device_type: str) -> str | None:
             f"model's is {head_dim}"
         )
     return None
+
+
+def _run_token() -> str:
+    """A name rank 0 makes up and every torchrun rank gets."""
+    import uuid
+
+    import torch.distributed as dist
+
+    box = [f"honing-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _begin_reload(worker) -> None:
@@ -156,11 +172,13 @@ class VLLMEngine(RolloutEngine):
         ``vocab_size``, the policy's embedding rows, when honing grew them for a pad token
         the tokenizer lacked)."""
         super().__init__(Holding.REMOTE)
+        self.seeds_by_index = True  # request_seed of the request's index in the whole call
         if (hint := vllm_available()) is not None:
             raise ImportError(hint)
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.settings = settings or VLLMSettings()
+        self.shared_by_ranks = self.settings.tensor_parallel
         self.cuda = device_type == "cuda"
         self.model_dir = str(model_dir)
         self.max_seq_len = max_seq_len
@@ -189,6 +207,12 @@ class VLLMEngine(RolloutEngine):
                 options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
         else:  # on a CPU, gpu_memory_utilization would reserve that share of the RAM
             options["kv_cache_memory_bytes"] = s.kv_cache_mb << 20
+        if s.torchrun:  # vLLM uses torchrun's RANK, LOCAL_RANK and the ranks' group
+            options["distributed_executor_backend"] = "external_launcher"
+            options["tensor_parallel_size"] = s.tensor_parallel
+            # the name of its shared-memory segments on a CPU: one of this run's own, not one
+            # a killed run left behind
+            os.environ.setdefault("VLLM_DIST_IDENT", _run_token())
         if placeholder:
             options["load_format"] = "dummy"
         if vocab_size is not None:
@@ -241,7 +265,7 @@ class VLLMEngine(RolloutEngine):
             limit = min(params.max_seq_len, self.max_seq_len)
             budget = min(params.max_new_tokens, limit - len(r.prompt_ids))
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            seed = request_seed(params.seed, index, n)
+            seed = request_seed(params.seed, params.first_index * copies + index, n)
             stops = self.stop_ids | set(params.stop_ids)
             sampling.append(_vllm_sampling(params, budget, seed, stops, n))
         started = time.perf_counter()

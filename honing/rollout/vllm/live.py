@@ -64,7 +64,7 @@ class LiveRequests:
             if r.key not in self.live:
                 request_id = f"honing-live-{next(self._numbers)}"
                 budget = min(params.max_seq_len, limit) - len(r.prompt_ids)
-                seed = request_seed(params.seed, index)
+                seed = request_seed(params.seed, params.first_index + index)
                 prompt = TokensPrompt(prompt_token_ids=list(r.prompt_ids))
                 engine.add_request(request_id, prompt, self.sampling(params, budget, seed))
                 self.live[r.key] = _Live(request_id, list(r.prompt_ids))
