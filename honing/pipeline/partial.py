@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
 
 from honing.errors import ConfigError
 from honing.rollout.base import GenerationRequest
+from honing.rollout.tools.turns import ToolEngine
 from honing.seeds import round_seed
 from honing.types import Prompt, Rollout
 
@@ -47,14 +51,22 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, tokens] in order
     finish: str | None = None
+    # with tools: the tool responses' (start, tokens) in ids, the calls and the turns
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)
+    tool_calls: list[dict] | None = None
+    turns: int = 0
+    experts: Any = None  # routing replay R3: the experts of every input token so far
 
     @property
     def oldest(self) -> int | None:
         return self.spans[0][0] if self.spans else None
 
-    def extend(self, rollout: Rollout, version: int, room: int) -> None:
-        """Add a chunk's ``rollout`` made by weights ``version``, at most ``room`` tokens."""
+    def extend(self, rollout: Rollout, version: int, room: int, chunk: int) -> None:
+        """Add a chunk's ``rollout`` made by weights ``version``, at most ``room`` tokens
+        (``chunk``: the tokens the call asked for; a sample cut at its length with fewer
+        reached its end)."""
         ids = rollout.response_ids[:room]
+        start = len(self.ids)
         self.ids += ids
         self.logprobs += rollout.behaviour_logprobs[: len(ids)]
         if ids:
@@ -62,10 +74,31 @@ class Sample:
                 self.spans[-1][1] += len(ids)
             else:
                 self.spans.append([version, len(ids)])
+        if rollout.tool_calls is not None:  # a tool response cut by the room is cut here too
+            self.tool_calls = (self.tool_calls or []) + rollout.tool_calls
+            self.turns += rollout.turns
+            for at, count in rollout.tool_spans or ():
+                if at < len(ids):
+                    self.tool_spans.append((start + at, min(count, len(ids) - at)))
+        if rollout.routed_experts is not None:  # this chunk's, after the tokens known before
+            self.experts = _stitched(self.experts, rollout, len(ids))
+        cut = rollout.finish_reason == "length" and len(rollout.response_ids) >= chunk
         if rollout.finish_reason in ("stop", "abort") and len(ids) == len(rollout.response_ids):
             self.finish = rollout.finish_reason
-        elif len(ids) >= room:
+        elif len(ids) >= room or (rollout.finish_reason == "length" and not cut):
             self.finish = "length"
+
+
+def _stitched(before, rollout: Rollout, added: int):
+    """A sample's routed experts (a row per input token: its prompt and every response token
+    but the last) after a chunk that kept ``added`` of ``rollout``'s tokens: the rows it had,
+    each from the pass that sampled the token after it, then the chunk's own rows for the
+    tokens after them (the chunk's prompt ends with the last token sampled before it)."""
+    rows = rollout.routed_experts
+    end = len(rollout.prompt_ids) + max(added - 1, 0)
+    if before is None:
+        return rows[:end]
+    return torch.cat([before, rows[len(before) : end]])
 
 
 @dataclass
@@ -148,12 +181,13 @@ class PartialPool:
         todo = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
         if not todo:
             return
+        keyed = self.keep_kv or isinstance(engine, ToolEngine)  # it keeps the turns too
         requests = [
             GenerationRequest(
                 g.prompt.id,
                 self.parts.prompt_ids[g.prompt.id] + s.ids,
                 i,
-                key=f"{s.group}/{s.index}" if self.keep_kv else None,
+                key=f"{s.group}/{s.index}" if keyed else None,
             )
             for i, (g, s) in enumerate(todo)
         ]
@@ -174,7 +208,7 @@ class PartialPool:
                 sampling.max_new_tokens - len(sample.ids),
                 sampling.max_seq_len - prompt_len - len(sample.ids),
             )
-            sample.extend(rollout, version, room)
+            sample.extend(rollout, version, room, self.chunk_tokens)
         for group in {id(g): g for g, _ in todo}.values():
             group.seconds += seconds
 
@@ -224,6 +258,12 @@ class PartialPool:
                         text=tokenizer.decode(sample.ids, skip_special_tokens=True),
                         gen_seconds=group.seconds,
                         version_spans=[tuple(span) for span in sample.spans],
+                        routed_experts=sample.experts,
+                        tool_spans=list(sample.tool_spans)
+                        if sample.tool_calls is not None
+                        else None,
+                        tool_calls=sample.tool_calls,
+                        turns=sample.turns if sample.tool_calls is not None else 1,
                     )
                 )
         return out

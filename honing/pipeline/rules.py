@@ -25,19 +25,23 @@ from honing.pipeline.alerting import parse_rules
 def check_config(config: Config, world_size: int = 1) -> None:
     """Raises ``ConfigError`` for the first rule ``config`` breaks; ``world_size``: the
     number of torchrun ranks the run is launched with."""
-    checks = (_algorithm, _routing, _monitor, _checkpoint, _data, _rollout, _schedule, _strategy)
+    checks = (
+        _algorithm,
+        _routing,
+        _monitor,
+        _checkpoint,
+        _data,
+        _rollout,
+        _schedule,
+        _strategy,
+        _tools,
+    )
     for check in checks:
         check(config)
     _backend(config, world_size)
     _sequence_parallel(config, world_size)
     _ranks(config, world_size // config.trainer.sequence_parallel)
     _vllm(config, world_size)
-    _tools(config, world_size)
-    if config.schedule.partial_rollout and world_size > 1:
-        raise ConfigError(
-            "schedule.partial_rollout is not supported under torchrun yet: the pool "
-            "continues samples in one process's engine; run it in one process"
-        )
 
 
 def _algorithm(config: Config) -> None:
@@ -171,8 +175,8 @@ def _schedule(config: Config) -> None:
 
 def _partial(config: Config) -> None:
     """Partial rollouts: the schedules that generate while the trainer trains let a sample's
-    tokens come from several versions; the pool continues samples in this process's engine
-    (honing/pipeline/partial.py)."""
+    tokens come from several versions; the pool continues samples in the producer's engine,
+    in the trainer's process (rank 0 under torchrun; honing/pipeline/partial.py)."""
     keep = config.schedule.partial_kv == "keep"
     if not config.schedule.partial_rollout:
         if keep:
@@ -199,9 +203,16 @@ def _partial(config: Config) -> None:
             "sync clears it); use schedule.partial_kv=recompute",
         ),
         (
-            config.algorithm.routing_replay == "R3",
-            "algorithm.routing_replay=R3",
-            "a continued sample's routed experts are not recorded across its chunks",
+            keep and config.algorithm.routing_replay == "R3",
+            "algorithm.routing_replay=R3 and schedule.partial_kv=keep",
+            "a kept cache's tokens are not routed again, so the next chunk does not record "
+            "their experts; use schedule.partial_kv=recompute",
+        ),
+        (
+            keep and bool(config.rollout.tools),
+            "rollout.tools and schedule.partial_kv=keep",
+            "a tool's response is appended between turns, which an engine's kept request "
+            "cannot take; use schedule.partial_kv=recompute",
         ),
     ):
         if unsupported:
@@ -209,9 +220,9 @@ def _partial(config: Config) -> None:
 
 
 def _strategy(config: Config) -> None:
-    """What the sharded strategy does not take yet: each needs the policy's forward on rank 0
-    alone (the MTP heads' training, the producer threads' snapshots) or moves what FSDP owns
-    (dynamic offload)."""
+    """What the sharded strategy does not take yet: the MTP heads' training (the policy's
+    forward on rank 0 alone), dynamic offload (it moves what FSDP owns), Ray's trainer actor
+    (one process)."""
     if config.trainer.strategy != "fsdp":
         for key in ("param_offload", "optimizer_offload"):
             if getattr(config.memory, key):
@@ -219,7 +230,6 @@ def _strategy(config: Config) -> None:
         return
     for unsupported, key in (
         (config.rollout.speculative == "mtp", "rollout.speculative=mtp"),
-        (config.schedule.mode != "sync", f"schedule.mode={config.schedule.mode}"),
         (config.memory.dynamic_offload, "memory.dynamic_offload (use memory.param_offload)"),
         (config.pipeline.backend == "ray", "pipeline.backend=ray"),
     ):
@@ -422,18 +432,16 @@ def _tensor_parallel(config: Config, world_size: int) -> None:
         )
 
 
-def _tools(config: Config, world_size: int) -> None:
-    """Multi-turn rollouts with tools (rollout/tools/turns.py) wrap the engine of one process;
-    what they do not take yet is said in one line."""
+def _tools(config: Config) -> None:
+    """Multi-turn rollouts with tools (rollout/tools/turns.py) wrap the engine of a process
+    (under torchrun each rank's); what they do not take yet is said in one line."""
     if not config.rollout.tools:
         return
     for unsupported, key, why in (
-        (world_size > 1, "torchrun", "the turn loop runs one process's engine"),
-        (config.pipeline.backend == "ray", "pipeline.backend=ray", "the same"),
         (
-            config.schedule.partial_rollout,
-            "schedule.partial_rollout",
-            "a sample is continued by turns, not by chunks",
+            config.pipeline.backend == "ray",
+            "pipeline.backend=ray",
+            "the turn loop runs in the trainer's process, not in Ray's rollout workers",
         ),
         (
             config.rollout.speculative != "off",

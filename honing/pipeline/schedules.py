@@ -7,7 +7,8 @@ each ``schedule.mode``; the loop asks the same two things of either:
   (every torchrun rank taking part, ``weight_sync.send_weights``).
 - ``Ahead`` (``one_step`` / ``async``): ``producer.RolloutProducer`` made the batch on its
   threads, with its own copy of the policy; the new weights are published to it as a copy
-  its thread loads when its admission rule says so.
+  its thread loads when its admission rule says so (a sharded policy's gathered by every
+  rank at the step's end, ``weight_sync.publish_ahead``).
 
 ``take(step)`` gives the batch and the schedule's metrics; ``publish(step)`` the weights after
 update ``step`` and the sync's metrics; ``source_state(next_step)`` the data cursor a
@@ -24,7 +25,7 @@ from honing.pipeline.components import Components
 from honing.pipeline.offload import Offloader
 from honing.pipeline.peers import Op, Peers
 from honing.pipeline.producer import RolloutProducer
-from honing.pipeline.weight_sync import send_weights, snapshot
+from honing.pipeline.weight_sync import publish_ahead, send_weights
 
 
 class Inline:
@@ -63,17 +64,23 @@ class Ahead:
     """The ``one_step`` and ``async`` schedules (see the module)."""
 
     def __init__(
-        self, config: Config, parts: Components, start: int, seed_of: Callable[[int], int]
+        self,
+        config: Config,
+        parts: Components,
+        peers: Peers,
+        start: int,
+        seed_of: Callable[[int], int],
     ):
-        self.parts = parts
+        self.parts, self.peers = parts, peers
         self.producer = RolloutProducer(config, parts, start, seed_of)
 
     def take(self, step: int) -> tuple[Collected, dict[str, float]]:
         return self.producer.take(step)
 
     def publish(self, step: int) -> dict[str, float]:
-        self.parts.val_engine.load_weights(step)  # validation samples with the policy itself
-        self.producer.publish(step, snapshot(self.parts, self.producer.engine))
+        with self.peers.together(Op.SYNC, step):  # a sharded policy: every rank gathers
+            weights = publish_ahead(self.parts, step)
+        self.producer.publish(step, weights)
         return {}  # the producer's engine loads them on its own thread
 
     def source_state(self, next_step: int) -> dict | None:
@@ -94,4 +101,4 @@ def start_schedule(
     """The schedule of ``config.schedule.mode``, for steps after ``start``."""
     if config.schedule.mode == "sync":
         return Inline(config, parts, peers, offload, seed_of)
-    return Ahead(config, parts, start, seed_of)
+    return Ahead(config, parts, peers, start, seed_of)

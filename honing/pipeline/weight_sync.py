@@ -77,3 +77,28 @@ def snapshot(parts: Components, engine: RolloutEngine) -> list[WeightBucket]:
         [(name, tensor.detach().clone()) for name, tensor in bucket]
         for bucket in rollout_weights(parts, engine)
     ]
+
+
+def publish_ahead(parts: Components, version: int) -> list[WeightBucket]:
+    """After update ``version`` under the schedules that generate ahead: the validation
+    engine samples with the new weights, and the return is a ``snapshot`` for the producer's
+    copy of ``parts.engine`` (which this does not touch: the producer's thread loads it).
+    Each engine's weights are made in one pass, in the order ``send_weights`` takes them on
+    the other ranks (one pass when the two are one engine), so a sharded layout's gathers
+    meet theirs."""
+    kept: list[WeightBucket] = []
+
+    def keeping(buckets):
+        for bucket in buckets:
+            kept.append([(name, tensor.detach().clone()) for name, tensor in bucket])
+            yield bucket
+
+    val = parts.val_engine
+    if val.holds is Holding.SHARED:
+        val.load_weights(version)
+    else:  # a sharded policy: the validation engine's own copy
+        buckets = rollout_weights(parts, val)
+        val.load_weights(version, keeping(buckets) if val is parts.engine else buckets)
+    if val is not parts.engine or val.holds is Holding.SHARED:
+        kept = snapshot(parts, parts.engine)
+    return kept

@@ -70,11 +70,17 @@ def test_a_family_replay_cannot_reproduce_is_refused_with_the_reason(moe_dirs, d
     [
         {"schedule.mode": "one_step", "algorithm.routing_replay": "R3"},
         {"schedule.mode": "async", "algorithm.routing_replay": "R3"},
+        {  # each sample's experts stitched across its chunks
+            "schedule.mode": "async",
+            "schedule.partial_rollout": True,
+            "schedule.partial_chunk_tokens": 1,
+            "algorithm.routing_replay": "R3",
+        },
         {"algorithm.routing_replay": "R2", "trainer.ppo_epochs": 2},
         {"algorithm.router_aux_coef": 0.01, "algorithm.router_z_coef": 0.001},
         {"algorithm.routing_replay": "R3", "model.lora_rank": 4, "trainer.autocast": "bfloat16"},
     ],
-    ids=["one_step-R3", "async-R3", "R2", "router-losses", "lora-bf16-R3"],
+    ids=["one_step-R3", "async-R3", "partial-R3", "R2", "router-losses", "lora-bf16-R3"],
 )
 def test_replay_and_router_losses_train(tmp_path, moe_dirs, digit_reward, overrides):
     values = QUICK | overrides

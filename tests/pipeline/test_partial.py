@@ -182,7 +182,16 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
             "applies to schedule.partial_rollout=true",
         ),
         ({"pipeline.backend": "ray"}, "not supported with pipeline.backend=ray"),
-        ({"algorithm.routing_replay": "R3"}, "not supported with algorithm.routing_replay=R3"),
+        ({"algorithm.routing_replay": "R3"}, None),
+        (
+            {"algorithm.routing_replay": "R3", "schedule.partial_kv": "keep"},
+            "not supported with algorithm.routing_replay=R3 and schedule.partial_kv=keep",
+        ),
+        ({"rollout.tools": ["calculator"]}, None),
+        (
+            {"rollout.tools": ["calculator"], "schedule.partial_kv": "keep"},
+            "not supported with rollout.tools and schedule.partial_kv=keep",
+        ),
     ],
 )
 def test_what_partial_rollouts_do_not_take_is_refused_in_one_line(overrides, message):
@@ -192,11 +201,6 @@ def test_what_partial_rollouts_do_not_take_is_refused_in_one_line(overrides, mes
         return
     with pytest.raises(ConfigError, match=message):
         check_config(cfg)
-
-
-def test_torchrun_is_refused(digit_reward):
-    with pytest.raises(ConfigError, match="not supported under torchrun"):
-        check_config(build_config(PARTIAL), world_size=2)
 
 
 def test_a_resumed_source_serves_the_requeued_prompts_first():

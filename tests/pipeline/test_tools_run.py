@@ -55,12 +55,6 @@ def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
     "overrides, world_size, key",
     [
         ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
-        ({}, 2, "torchrun"),
-        (
-            {"schedule.mode": "async", "schedule.partial_rollout": True},
-            1,
-            "schedule.partial_rollout",
-        ),
         ({"rollout.speculative": "ngram"}, 1, "rollout.speculative=ngram"),
     ],
 )

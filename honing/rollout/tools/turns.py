@@ -15,7 +15,10 @@ call only when no sample can go on without it.
 
 A sample ends at a turn without a call (its answer), at ``max_turns`` (``length``: the last
 turn's calls are not run), or at its token budget (``length``; a tool response that does not
-fit is not appended, so a response always ends with tokens the model sampled). The tool
+fit is not appended, so a response always ends with tokens the model sampled). Partial
+rollouts continue a sample by keyed requests (``GenerationRequest.key``): the engine keeps
+each sample's turns and calls between calls, and a call adds about a chunk of tokens to each
+(a turn cut at the chunk goes on in the next call, under the weights of its time). The tool
 responses are recorded as ``Rollout.tool_spans`` (no loss, behaviour logprob 0) and each call
 in ``Rollout.tool_calls``; ``take_report`` adds ``tool/*`` metrics. A call's output or error
 text is whatever the tool or the model wrote made safe to tokenize (``calls``): no text the
@@ -68,6 +71,13 @@ class _Sample:
     waiting: list[Future] = field(default_factory=list)  # its turn's calls, running
     turn_text: str = ""
     experts: Any = None  # the last turn's routed experts: its prompt held every earlier token
+    turn_start: int = 0  # where its current turn's tokens start in ``ids``
+    limit: int | None = None  # a chunk (keyed request): this call pauses it at this many ids
+    paused: bool = False  # at its chunk's end: the next call goes on
+
+    @property
+    def active(self) -> bool:
+        return self.finish is None and not self.paused
 
 
 class ToolEngine(RolloutEngine):
@@ -95,6 +105,7 @@ class ToolEngine(RolloutEngine):
         self.close_id = close[0]
         self.responses = ToolResponses(tokenizer)
         self.keeps_kv = False
+        self._live: dict[str, _Sample] = {}  # partial rollouts: the samples by key
         self.computes_here = inner.computes_here  # each torchrun rank runs its own turns
         self.shared_by_ranks = inner.shared_by_ranks
         self._report: dict[str, float] = {}
@@ -141,24 +152,77 @@ class ToolEngine(RolloutEngine):
         return metrics, events
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        if any(r.key is not None for r in requests):
+            return self._continue(requests, params)
         samples = [_Sample(r) for r in requests for _ in range(params.n)]
+        seconds = self._run(samples, params)
+        self._count(samples)
+        return [self._rollout(s, seconds) for s in samples]
+
+    def _run(self, samples: list[_Sample], params: SamplingParams) -> float:
+        """Turns of ``samples`` until each has finished or paused; the seconds it took."""
         started = time.perf_counter()
         with ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="honing-tools") as pool:
             calls = 0
-            while any(s.finish is None for s in samples):
+            while any(s.active for s in samples):
                 for sample in samples:
                     if sample.waiting and all(f.done() for f in sample.waiting):
                         self._answer(sample, params)
-                ready = [s for s in samples if s.finish is None and not s.waiting]
+                ready = [s for s in samples if s.active and not s.waiting]
                 if not ready:  # every unfinished sample waits on a call: wait for one
                     running = [f for s in samples for f in s.waiting]
-                    wait(running, return_when=FIRST_COMPLETED)
+                    if running:
+                        wait(running, return_when=FIRST_COMPLETED)
                     continue
                 self._turn(ready, replace(params, seed=round_seed(params.seed, calls)), pool)
                 calls += 1
-        seconds = time.perf_counter() - started
-        self._count(samples)
-        return [self._rollout(s, seconds) for s in samples]
+        return time.perf_counter() - started
+
+    def _continue(self, requests: list[GenerationRequest], params: SamplingParams):
+        """Partial rollouts: each keyed request continues the sample of its key (its turns,
+        calls and the tokens of a turn cut short), or starts one, by about
+        ``params.max_new_tokens`` tokens (a turn is cut there; a tool's response is
+        appended whole), within ``params.max_seq_len``; each rollout is the part this call
+        added. The samples of keys not in the call are let go."""
+        if params.n != 1 or any(r.key is None for r in requests):
+            raise ValueError("keyed requests are samples to continue: all keyed, n=1")
+        live, samples = {}, []
+        for r in requests:
+            kept = self._live.get(r.key)
+            if kept is None or kept.request.prompt_ids + kept.ids != list(r.prompt_ids):
+                kept = _Sample(r)
+            kept.paused, kept.limit = False, len(kept.ids) + params.max_new_tokens
+            live[r.key] = kept
+            samples.append(kept)
+        self._live = live
+        marks = [(len(s.ids), len(s.spans), len(s.calls), s.turns, s.finish) for s in samples]
+        seconds = self._run(samples, params)
+        self._count([s for s, m in zip(samples, marks, strict=True) if m[4] is None and s.finish])
+        return [
+            self._piece(r, s, mark, seconds)
+            for r, s, mark in zip(requests, samples, marks, strict=True)
+        ]
+
+    def _piece(self, request: GenerationRequest, sample: _Sample, mark, seconds: float):
+        """What ``sample`` added since ``mark`` (its ids, spans, calls and turns then), as
+        the rollout of ``request`` (whose prompt holds every earlier token)."""
+        at, spans, calls, turns, _ = mark
+        ids = sample.ids[at:]
+        return Rollout(
+            prompt_id=request.prompt_id,
+            group_index=request.group_index,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=ids,
+            behaviour_logprobs=sample.logprobs[at:],
+            finish_reason=sample.finish or "length",  # paused: cut at the chunk's length
+            weight_version=self.inner.weight_version,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            gen_seconds=seconds,
+            tool_spans=[(start - at, count) for start, count in sample.spans[spans:]],
+            tool_calls=sample.calls[calls:],
+            turns=sample.turns - turns,
+            routed_experts=sample.experts,
+        )
 
     def _turn(self, ready: list[_Sample], params: SamplingParams, pool) -> None:
         """One engine call: a turn of each of ``ready``; their calls are started on ``pool``."""
@@ -180,18 +244,31 @@ class ToolEngine(RolloutEngine):
                     : len(sample.request.prompt_ids) + len(sample.ids) - 1
                 ]
             sample.turns += 1
-            if len(taken) < len(out.response_ids):  # past its own budget
-                sample.finish = "length"
-            elif taken[-1:] != [self.close_id]:  # its answer, or a limit
+            closed = taken[-1:] == [self.close_id]
+            if len(taken) < len(out.response_ids) or (not closed and out.finish_reason == "length"):
+                if sample.limit is not None and self._budget(sample, params) > 0:
+                    sample.paused, sample.turns = True, sample.turns - 1  # goes on next call
+                else:  # past its own budget
+                    sample.finish = "length"
+            elif not closed:  # its answer, or a limit
                 sample.finish = out.finish_reason
             elif sample.turns >= self.settings.max_turns:
                 sample.finish = "length"  # its last turn: no call runs
             else:
-                self._start_calls(sample, taken, pool)
+                self._start_calls(sample, sample.ids[sample.turn_start :], pool)
+
+    def _budget(self, sample: _Sample, params: SamplingParams) -> int:
+        """Tokens ``sample`` may still take (a chunk's: to ``max_seq_len``)."""
+        prompt = len(sample.request.prompt_ids)
+        if sample.limit is None:
+            return min(params.max_new_tokens, params.max_seq_len - prompt) - len(sample.ids)
+        return params.max_seq_len - prompt - len(sample.ids)
 
     def _room(self, sample: _Sample, params: SamplingParams) -> int:
-        prompt = len(sample.request.prompt_ids)
-        return min(params.max_new_tokens, params.max_seq_len - prompt) - len(sample.ids)
+        """Tokens ``sample`` may take in this call: its budget, and a chunk's limit."""
+        if sample.limit is None:
+            return self._budget(sample, params)
+        return min(self._budget(sample, params), sample.limit - len(sample.ids))
 
     def _start_calls(self, sample: _Sample, turn_ids: list[int], pool) -> None:
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
@@ -222,12 +299,15 @@ class ToolEngine(RolloutEngine):
             for r in results
         ]
         ids = self.responses.ids(sample.turn_text, results)
-        if len(ids) >= self._room(sample, params):  # no room for it and a turn after it
+        if len(ids) >= self._budget(sample, params):  # no room for it and a turn after it
             sample.finish = "length"
             return
         sample.spans.append((len(sample.ids), len(ids)))
         sample.ids += ids
         sample.logprobs += [0.0] * len(ids)
+        sample.turn_start = len(sample.ids)
+        if sample.limit is not None and len(sample.ids) >= sample.limit:
+            sample.paused = True  # the chunk is spent: its next turn comes next call
 
     def _rollout(self, sample: _Sample, seconds: float) -> Rollout:
         return Rollout(
