@@ -16,8 +16,9 @@ On a random ~0.5B Qwen2 configuration (Qwen2-0.5B's shape: hidden 896, 24 layers
    ``trainer.strategy=fsdp`` with ``memory.param_offload`` on the one device (FSDP2 over a
    group of one, parameters and optimizer step on the host), with its step time;
 5. with vLLM installed (on CUDA): vLLM in process and a vLLM server with NCCL weight transfer,
-   each with its tokens/s, a weight sync's time and the logprob gap after it
-   (``benchmarks/gpu_vllm.py``).
+   each with its tokens/s, a weight sync's time and the logprob gap after it, and vLLM in
+   every torchrun rank (one per GPU, FSDP, sleep mode around the updates) with its step time,
+   logprob gap and peak memory (``benchmarks/gpu_vllm.py``).
 
 Writes benchmarks/results/gpu_checks.{json,md}. ``--size tiny --device cpu`` runs the same
 code paths in seconds on a CPU (what the test suite does, so the script does not rot).
@@ -220,10 +221,15 @@ def full_step_memory(
 def vllm_checks(model_dir: Path, device: torch.device) -> dict:
     """benchmarks/gpu_vllm.py's checks, each one's failure recorded beside the others'
     results rather than losing them."""
-    from benchmarks.gpu_vllm import colocated, server
+    from benchmarks.gpu_vllm import colocated, in_ranks, server
 
     record: dict = {}
-    for name, check in (("colocated", colocated), ("server", server)):
+    in_ranks_dir = model_dir.parent / "vllm_in_ranks"
+    for name, check in (
+        ("colocated", colocated),
+        ("server", server),
+        ("in_ranks", lambda model, on: in_ranks(model, on, in_ranks_dir)),
+    ):
         torch.cuda.empty_cache()
         try:
             record[name] = check(model_dir, device)

@@ -12,7 +12,9 @@ device's free memory with vLLM awake and asleep.
     .venv/bin/python -m benchmarks.gpu_vllm --model DIR [--device cuda]
 
 ``--device cpu`` runs the colocated part on a CPU (float32), so the code paths are exercised
-without a GPU (the test suite does); the server part runs on CUDA only.
+without a GPU (the test suite does); the server part runs on CUDA only. ``in_ranks`` runs
+vLLM in every torchrun rank (``rollout.engine=vllm`` under FSDP, sleep mode on CUDA): one rank
+per GPU, or two gloo ranks on a CPU.
 """
 
 from __future__ import annotations
@@ -153,6 +155,58 @@ def server(model_dir: Path, device: torch.device, port: int = 8011) -> dict:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def in_ranks(model_dir: Path, device: torch.device, out: Path, steps: int = 3) -> dict:
+    """vLLM in every torchrun rank: ``honing train`` with ``rollout.engine=vllm`` and the
+    policy sharded (FSDP) over one rank per GPU (two gloo ranks on a CPU), vLLM's sleep
+    mode around each update on CUDA; the steps' median time, the ranks that sampled, the
+    largest rollout/trainer logprob gap (the weights each engine took from the gather) and
+    the peak device memory of a rank."""
+    ranks = max(torch.cuda.device_count(), 1) if device.type == "cuda" else 2
+    cuda = device.type == "cuda"
+    values = {
+        "model.path": model_dir,
+        "model.device": device.type,
+        "model.dtype": "bfloat16" if cuda else "float32",
+        "rollout.engine": "vllm",
+        "rollout.vllm_sleep": cuda,
+        "rollout.vllm_gpu_memory_utilization": 0.3,
+        "rollout.vllm_kv_cache_mb": 0 if cuda else 64,
+        "rollout.batch_size": 8,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": TOKENS,
+        "rollout.max_seq_len": TOKENS + 32,
+        "pipeline.rollout_chunk": 2,
+        "trainer.strategy": "fsdp",
+        "trainer.total_steps": steps,
+        "trainer.val_at_start": False,
+        "trainer.val_every": 0,
+        "checkpoint.every": 0,
+        "monitor.console": False,
+        "monitor.tensorboard": False,
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", str(ranks), "-m", "honing.cli", "train"]
+    command += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    command += ["--output-dir", str(out), "--resume", "never"]
+    log = out.with_suffix(".log")
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited {done.returncode}: {log.read_text()[-2000:]}")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    metrics = [m for m in map(json.loads, lines) if "samples/generated" in m]
+    later = metrics[1:] or metrics
+    return {
+        "ranks": ranks,
+        "step_s": sorted(m["timing_s/step"] for m in later)[len(later) // 2],
+        "generation_ranks": metrics[-1].get("rollout/generation_ranks", 1.0),
+        "logprob_gap_max": max(m["rollout_mismatch/logprob_diff_max"] for m in metrics),
+        # CUDA: rank 0's peak allocation while generating and while updating
+        "peak_gen_gb": max(m.get("memory/peak_gen_gb", 0.0) for m in metrics),
+        "peak_update_gb": max(m.get("memory/peak_update_gb", 0.0) for m in metrics),
+    }
 
 
 def main() -> None:

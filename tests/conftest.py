@@ -96,14 +96,17 @@ def micro_model_dir(tmp_path_factory) -> Path:
     )
 
 
-# vLLM's CPU attention has no kernel for the micro model's head size (16): 64 over 2 heads is 32
-VLLM_SPEC = TinySpec(**(asdict(MICRO_SPEC) | {"hidden_size": 64, "intermediate_size": 128}))
+# vLLM's CPU attention has no kernel for the micro model's head size (16): 64 over 2 heads is 32.
+# Its tokenizer has the tool-call tags as tokens of their own, as chat models with tools do.
+VLLM_SPEC = TinySpec(
+    **(asdict(MICRO_SPEC) | {"hidden_size": 64, "intermediate_size": 128, "tool_tags": True})
+)
 
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
     """The micro model with a head size vLLM's CPU build takes (tied embeddings, as the tiny
-    models have)."""
+    models have) and the tool-call tags."""
     corpus = warmstart_corpus(1000, 0, 2, 0.6)
     return build_tiny_model(
         tmp_path_factory.mktemp("vllm-models"), corpus, VLLM_SPEC, log=lambda message: None

@@ -272,19 +272,26 @@ def test_partial_samples_go_on_after_new_weights_with_each_tokens_logprob(
     assert spanned >= 1
 
 
-def test_an_async_partial_run_samples_from_the_server(
-    server, vllm_model_dir, digit_reward, tmp_path, run_config
+def test_the_whole_stack_on_two_ranks_samples_from_the_server(
+    server, vllm_model_dir, digit_reward, tmp_path
 ):
-    """async with partial rollouts on the server: chunks of 2 tokens, the weights sent
-    between chunks; every sample is accounted for. (Whether a sample spans two versions in
-    a run depends on which side is faster; the test above makes one span.)"""
-    from honing.backends.launch import train
+    """``honing train`` under torchrun, two gloo ranks with the policy sharded (FSDP), the
+    async schedule with partial rollouts (chunks of 2 tokens, the weights gathered by both
+    ranks at each step's end and sent to the server between chunks) and the calculator's
+    turn loop, through the vLLM server: four steps, every sample accounted for. (Whether a
+    sample spans two versions in a run depends on which side is faster; the test above
+    makes one span.)"""
+    from tests import warm
+    from tests.pipeline._configs import cli_args
 
     overrides = {
         "rollout.engine": "openai",
         "rollout.endpoints": server.url,
         "rollout.weight_sync": "vllm",
         "rollout.max_new_tokens": 8,
+        "rollout.tools": "[calculator]",
+        "trainer.strategy": "fsdp",
+        "trainer.threads": 1,
         "schedule.mode": "async",
         "schedule.max_staleness": 2,
         "schedule.partial_rollout": True,
@@ -292,11 +299,11 @@ def test_an_async_partial_run_samples_from_the_server(
         "trainer.total_steps": 4,
         "trainer.val_at_start": False,
     }
-    train(
-        run_config(vllm_model_dir, digit_reward, **overrides),
-        tmp_path / "run",
-        log=lambda message: None,
+    args = cli_args(vllm_model_dir, digit_reward, tmp_path / "run", **overrides)
+    result = subprocess.run(
+        warm.torchrun(2, "train", *args), capture_output=True, text=True, timeout=300
     )
+    assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -304,6 +311,9 @@ def test_an_async_partial_run_samples_from_the_server(
         parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
         assert m["samples/generated"] == sum(m[k] for k in parts) > 0
         assert "partial/carried_samples" in m  # sampled by the pool, in chunks
+        assert m["dist/world_size"] == 2.0
+    assert any("tool/turns_per_sample" in m for m in metrics)  # through the turn loop
+    assert metrics[0]["rollout_mismatch/logprob_diff_max"] < LOGPROB_ATOL  # version 0 on both
 
 
 def no_room_after(count: int):

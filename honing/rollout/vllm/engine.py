@@ -94,15 +94,22 @@ def model_problem(model_config, device_type: str) -> str | None:
     return None
 
 
-def _run_token() -> str:
-    """A name rank 0 makes up and every torchrun rank gets."""
-    import uuid
+SHM = Path("/dev/shm")
 
-    import torch.distributed as dist
 
-    box = [f"honing-{uuid.uuid4().hex[:12]}"]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _cpu_segments(drop_stale: bool = False) -> set[Path]:
+    """The shared-memory segments of vLLM's tensor-parallel groups on a CPU
+    (``...-cpushm_<rank>``). vLLM names them after the run's init method alone, which under
+    torchrun is the same for every run, and leaves them behind when it closes: a segment a
+    killed run left would make the next run's engine fail to start (``create shm in
+    SHMManager failed. errno: 17``). With ``drop_stale`` those names are let go first (before
+    any rank's engine creates its own: creating them takes every rank of the group)."""
+    found = {path for path in SHM.glob("*-cpushm_*") if path.name.rsplit("_", 1)[1].isdigit()}
+    if drop_stale:
+        for path in found:
+            path.unlink(missing_ok=True)
+        return set()
+    return found
 
 
 def _begin_reload(worker) -> None:
@@ -179,6 +186,7 @@ class VLLMEngine(RolloutEngine):
         self.stop_ids = set(stop_ids)
         self.settings = settings or VLLMSettings()
         self.shared_by_ranks = self.settings.tensor_parallel
+        self._segments: set[Path] | None = None  # CPU tensor parallel: /dev/shm before it
         self.cuda = device_type == "cuda"
         self.model_dir = str(model_dir)
         self.max_seq_len = max_seq_len
@@ -210,9 +218,8 @@ class VLLMEngine(RolloutEngine):
         if s.torchrun:  # vLLM uses torchrun's RANK, LOCAL_RANK and the ranks' group
             options["distributed_executor_backend"] = "external_launcher"
             options["tensor_parallel_size"] = s.tensor_parallel
-            # the name of its shared-memory segments on a CPU: one of this run's own, not one
-            # a killed run left behind
-            os.environ.setdefault("VLLM_DIST_IDENT", _run_token())
+            if not self.cuda and s.tensor_parallel > 1:
+                self._segments = _cpu_segments(drop_stale=True)
         if placeholder:
             options["load_format"] = "dummy"
         if vocab_size is not None:
@@ -397,3 +404,6 @@ class VLLMEngine(RolloutEngine):
         if llm is not None:
             self._live.drop()
             llm.llm_engine.engine_core.shutdown()
+        if self._segments is not None:  # the tensor-parallel groups' segments it made
+            for path in _cpu_segments() - self._segments:
+                path.unlink(missing_ok=True)
