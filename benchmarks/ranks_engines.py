@@ -94,6 +94,21 @@ class Server:
         self.process.wait()
 
 
+def served_model(directory: Path) -> Path:
+    """The model as the trainer holds it: its tokenizer has no pad token, so honing adds one
+    and grows the embeddings by a row; a server must serve that vocabulary to take the
+    trainer's weights, so every variant starts from this copy."""
+    from honing.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    build_model_dir(M10, directory, SEED)
+    padded = directory.with_name(directory.name + "_padded")
+    if not (padded / "config.json").exists():
+        tokenizer = load_tokenizer(directory)
+        model = load_causal_lm(directory, tokenizer, dtype="float32", device="cpu")
+        save_model(model, tokenizer, padded)
+    return padded
+
+
 def run(name: str, steps: int, model_dir: Path, data: dict, out: Path) -> dict:
     """One run of variant ``name`` (a server started for it and stopped after): its medians
     over the steps after the first."""
@@ -132,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    model_dir = WORK / "models" / M10.name
-    build_model_dir(M10, model_dir, SEED)
+    model_dir = served_model(WORK / "models" / M10.name)
     data = peer_data(WORK, SEED)
     code, started = revision(), time.time()
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}

@@ -443,11 +443,6 @@ def _tools(config: Config) -> None:
             "pipeline.backend=ray",
             "the turn loop runs in the trainer's process, not in Ray's rollout workers",
         ),
-        (
-            config.rollout.speculative != "off",
-            f"rollout.speculative={config.rollout.speculative}",
-            "a drafted turn does not stop at a tool call",
-        ),
     ):
         if unsupported:
             raise ConfigError(f"rollout.tools is not supported with {key} yet: {why}")

@@ -74,6 +74,24 @@ def test_two_sharded_ranks_train_what_one_process_does(
 
 
 @pytest.mark.slow
+def test_two_sharded_ranks_under_one_step_train_what_one_process_does(
+    tmp_path, micro_model_dir, digit_reward
+):
+    """one_step: rank 0's producer samples step k with version k - 2 while both ranks train;
+    at each step's end both gather the new weights, which rank 0 publishes to the producer.
+    The schedule is deterministic, so the runs match."""
+    args = (micro_model_dir, digit_reward)
+    ahead = {"schedule.mode": "one_step"}
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **ahead)
+    two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, **ahead)
+    assert [m["async/weight_version"] for m in two] == [0.0, 0.0]
+    for mine, theirs in zip(two, one, strict=True):
+        assert mine["critic/score/mean"] == theirs["critic/score/mean"]  # the same samples
+    for name, want in _tied(one_weights).items():
+        torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
 def test_checkpoints_resume_at_any_world_size_and_strategy(tmp_path, micro_model_dir, digit_reward):
     """One run, each step on another world size or strategy: 2 sharded -> 1 -> 3 sharded ->
     2 replicated ranks (sharded into one process, one process into shards, shards into
@@ -122,7 +140,6 @@ def test_a_model_without_decoder_layers_cannot_be_sharded():
     "override, message",
     [
         ({"rollout.speculative": "mtp"}, "rollout.speculative=mtp is not supported with"),
-        ({"schedule.mode": "async"}, "schedule.mode=async is not supported with"),
         ({"memory.dynamic_offload": True}, "memory.dynamic_offload"),
     ],
 )

@@ -43,6 +43,24 @@ def test_a_run_with_tools_samples_turn_by_turn(tagged_model_dir, digit_reward, t
         assert m["tool/turns_per_sample"] >= 1
 
 
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_speculated_turns_stop_at_the_tool_call(tagged_model_dir, digit_reward, tmp_path, kind):
+    """Speculative decoding inside the turn loop: a drafted turn ends at the closing tag
+    (tests/rollout/test_speculative.py holds the cut); two steps, every sample accounted for,
+    the heads trained (mtp) on the turns."""
+    values = TOOLS | {"trainer.total_steps": 2, "trainer.val_at_start": False}
+    values |= {"rollout.speculative": kind, "rollout.spec_min_accept": 0.0}
+    train(small_run_config(tagged_model_dir, digit_reward, **values), tmp_path / "run", log=print)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts) == 6
+        assert m["tool/turns_per_sample"] >= 1 and "rollout/spec_enabled" in m
+        assert kind != "mtp" or "mtp/loss" in m
+
+
 def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
     micro_model_dir, digit_reward, tmp_path
 ):
@@ -55,7 +73,6 @@ def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
     "overrides, world_size, key",
     [
         ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
-        ({"rollout.speculative": "ngram"}, 1, "rollout.speculative=ngram"),
     ],
 )
 def test_what_the_turn_loop_does_not_take_is_refused_in_one_line(overrides, world_size, key):

@@ -3,6 +3,7 @@ as plain sampling (statistically, with a draft that often disagrees), the same g
 logprobs that are the policy's, and the automatic switch that turns a bad draft off."""
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,3 +220,27 @@ def test_speculation_on_a_policy_without_the_fast_path_is_a_config_error(tmp_pat
     config = build_config({"rollout.speculative": "ngram"})
     with pytest.raises(ConfigError, match="fast decode path"):
         speculation(config, tokenizer, torch.device("cpu"), gpt2)
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_a_drafted_response_ends_at_a_call_s_stop_id(policy, tokenizer, kind):
+    """``SamplingParams.stop_ids`` (the turn loop's closing tag) ends a speculated response at
+    the first of them, though a round drafted tokens past it (with the policy as its own
+    draft every draft is accepted, up to 5 tokens a round): each sample, drawn with the same
+    seed, is the one drawn without the stop id, cut there, as ``stop``."""
+    params = SamplingParams(n=4, max_new_tokens=12, max_seq_len=64, temperature=1.5, seed=3)
+    requests = [GenerationRequest(f"p{i}", tokenizer.encode(f"{i}{i}+3{i}="), i) for i in range(4)]
+    draft = policy if kind == "draft" else None
+    fast = engine(policy, tokenizer, Speculation(kind, 4, 0.0, 20, draft))
+    free = fast.generate(requests, params)
+    stop = max(free, key=lambda r: len(r.response_ids)).response_ids[1]
+    cut = fast.generate(requests, replace(params, stop_ids=(stop,)))
+    stopped = 0
+    for whole, part in zip(free, cut, strict=True):
+        ids = whole.response_ids
+        if stop in ids:
+            ids, stopped = ids[: ids.index(stop) + 1], stopped + 1
+            assert part.finish_reason == "stop"
+        assert part.response_ids == ids
+    assert stopped >= 1
+    assert fast.take_report()[0]["rollout/spec_accept_rate"] > 0
