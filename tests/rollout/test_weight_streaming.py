@@ -243,3 +243,19 @@ def test_tied_weights_go_once_and_reused_memory_is_no_tie():
         sent |= {name: float(tensor[0]) for name, tensor in untied.tensors(bucket).items()}
         del bucket
     assert sent == {f"w{index}": float(index) for index in range(16)}
+
+
+def test_a_vocabulary_the_served_model_lacks_is_refused_saying_why():
+    """honing gives a tokenizer without a pad token one (the embeddings grow a row); a
+    server started from the original directory holds one row fewer: the refusal says so and
+    what to serve instead. Other shape differences get no such hint."""
+    from honing.rollout.vllm.weights import WONT_FIT, check_pieces
+
+    served = {"model.embed_tokens.weight": (32768, 256), "model.norm.weight": (256,)}
+    grown = [("model.embed_tokens.weight", torch.zeros(32769, 256))]
+    with pytest.raises(ValueError, match=WONT_FIT) as refused:
+        check_pieces(grown, served, tied=True)
+    assert "1 more row(s): honing adds a pad token" in str(refused.value)
+    with pytest.raises(ValueError) as other:
+        check_pieces([("model.norm.weight", torch.zeros(128))], served, tied=True)
+    assert "pad token" not in str(other.value)

@@ -104,8 +104,21 @@ def check_pieces(pieces: list, shapes: dict[str, tuple[int, ...]], tied: bool) -
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(
                 f"{WONT_FIT}: {name} has shape {tuple(tensor.shape)}; the served model's is "
-                f"{shapes[name]}"
+                f"{shapes[name]}{_vocabulary_hint(name, tuple(tensor.shape), shapes[name])}"
             )
+
+
+def _vocabulary_hint(name: str, sent: tuple[int, ...], served: tuple[int, ...]) -> str:
+    """What to do when the trainer's vocabulary is larger than the served one: honing gives
+    a tokenizer without a pad token one, and the embeddings a row for it."""
+    vocabulary = name.endswith(("embed_tokens.weight", "lm_head.weight"))
+    if not vocabulary or sent[1:] != served[1:] or sent[0] <= served[0]:
+        return ""
+    return (
+        f" (the trainer's vocabulary has {sent[0] - served[0]} more row(s): honing adds a pad "
+        "token to a tokenizer without one; serve the model as the trainer saves it, e.g. a "
+        "checkpoint's export, or give the tokenizer a pad token)"
+    )
 
 
 def refresh_tied_head(model) -> bool:
