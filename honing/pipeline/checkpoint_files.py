@@ -229,6 +229,8 @@ def write_trainer_state(parts: Components, config: Config, directory: Path, writ
         if writer:
             torch.save({"trainers": states, **rng}, directory / TRAINER_STATE)
         return
+    if not writer:  # the MTP heads train on rank 0 alone: its copy is the one saved
+        states.pop("mtp", None)
     schedules = {role: s.pop("scheduler") for role, s in states.items() if "scheduler" in s}
     policy.save_shards(states, directory / SHARDS)
     if writer:

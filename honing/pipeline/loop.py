@@ -67,6 +67,7 @@ class TrainLoop:
         self.checkpoints = checkpoints
         self.schedule: Inline | Ahead | None = None  # where batches come from (started by run)
         self.adjusted: dict[str, float] = {}  # alert rollbacks' temperature and kl_coef
+        self._heads_due = None  # (batch, seed): the MTP heads' step still to take
         self.offload = Offloader(config.memory, config.schedule.mode, parts, logger.log_event)
 
     def run(self, start_step: int) -> None:
@@ -244,6 +245,8 @@ class TrainLoop:
         synced = time.perf_counter()
         stages |= self.schedule.publish(step)  # sync
         stages["timing_s/sync"] = time.perf_counter() - synced  # ~0: an engine on the module
+        if self._heads_due is not None:  # a sharded policy's MTP heads
+            stages |= self._train_heads()
         trainers, system = self.parts.trainers, self.config.monitor.system_metrics
         metrics = step_metrics(step, got, stages, started, trainers, system)
         self._record(step, got, metrics)
@@ -307,9 +310,21 @@ class TrainLoop:
             return metrics
         metrics["actor/lr"] = trainers.policy.learning_rates()[0]
         if trainers.mtp is not None:  # the draft heads learn the updated policy's hidden states
-            generator = torch.Generator().manual_seed(inputs.seed)
-            metrics |= train_mtp(trainers.mtp, self.parts.policy, experience.batch, generator)
+            self._heads_due = (experience.batch, inputs.seed)
+            if not trainers.policy.is_sharded:  # else from rank 0's copy, once it has them
+                metrics |= self._train_heads()
         return metrics | self.offload.peak("update")
+
+    def _train_heads(self) -> dict[str, float]:
+        """The MTP heads' step on the batch just trained, from the updated policy's hidden
+        states: the policy's own, or under a sharded layout (whose passes need every rank)
+        rank 0's whole generation copy after the step's weights reached it."""
+        batch, seed = self._heads_due
+        self._heads_due = None
+        trainers, generator = self.parts.trainers, torch.Generator().manual_seed(seed)
+        policy = trainers.policy
+        module = policy.generation_module if policy.is_sharded else policy.module
+        return train_mtp(trainers.mtp, module, batch, generator)
 
     def _record(self, step: int, got: Collected, metrics: dict[str, float]) -> None:
         """What the step says besides its metrics: the engine's events, steps and updates it

@@ -220,16 +220,14 @@ def _partial(config: Config) -> None:
 
 
 def _strategy(config: Config) -> None:
-    """What the sharded strategy does not take yet: the MTP heads' training (the policy's
-    forward on rank 0 alone), dynamic offload (it moves what FSDP owns), Ray's trainer actor
-    (one process)."""
+    """What the sharded strategy does not take yet: dynamic offload (it moves what FSDP
+    owns), Ray's trainer actor (one process)."""
     if config.trainer.strategy != "fsdp":
         for key in ("param_offload", "optimizer_offload"):
             if getattr(config.memory, key):
                 raise ConfigError(f"memory.{key} applies to trainer.strategy=fsdp")
         return
     for unsupported, key in (
-        (config.rollout.speculative == "mtp", "rollout.speculative=mtp"),
         (config.memory.dynamic_offload, "memory.dynamic_offload (use memory.param_offload)"),
         (config.pipeline.backend == "ray", "pipeline.backend=ray"),
     ):

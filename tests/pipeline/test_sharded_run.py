@@ -91,6 +91,47 @@ def test_two_sharded_ranks_under_one_step_train_what_one_process_does(
         torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=0)
 
 
+def _mtp_heads(checkpoint) -> dict:
+    """The MTP heads a checkpoint holds: whole in trainer_state.pt, or in a sharded run's
+    shards (written by rank 0, which alone trains them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    if "trainers" in state:
+        return state["trainers"]["mtp"]["module"]
+    shards = checkpoint / "trainer"
+    prefix = "mtp.module."
+    stored = FileSystemReader(shards).read_metadata().state_dict_metadata
+    heads = {k: torch.empty(v.size) for k, v in stored.items() if k.startswith(prefix)}
+    dcp.load(heads, checkpoint_id=str(shards), no_dist=True)
+    return {name.removeprefix(prefix): tensor for name, tensor in heads.items()}
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_train_the_mtp_heads_one_process_does(
+    tmp_path, micro_model_dir, digit_reward
+):
+    """rollout.speculative=mtp under FSDP: rank 0 drafts with the heads on its whole copy of
+    the policy and trains them from that copy once the step's weights reached it; the heads
+    and the policy end where one process's do, and the checkpoint holds rank 0's heads."""
+    args = (micro_model_dir, digit_reward)
+    heads = {"rollout.speculative": "mtp", "rollout.spec_min_accept": 0.0}
+    heads |= {"rollout.max_new_tokens": 8}
+    one, one_weights, _ = run(tmp_path, "one", *args, 1, 2, strategy="replicate", **heads)
+    two, two_weights, _ = run(tmp_path, "two", *args, 2, 2, **heads)
+    for mine, theirs in zip(two, one, strict=True):
+        assert mine["critic/score/mean"] == theirs["critic/score/mean"]  # the same samples
+        assert mine["mtp/loss"] == pytest.approx(theirs["mtp/loss"], abs=1e-4)
+    for name, want in _tied(one_weights).items():
+        torch.testing.assert_close(two_weights[name], want, atol=1e-4, rtol=0)
+    want = _mtp_heads(tmp_path / "one" / "checkpoints" / "step_2")
+    got = _mtp_heads(tmp_path / "two" / "checkpoints" / "step_2")
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_checkpoints_resume_at_any_world_size_and_strategy(tmp_path, micro_model_dir, digit_reward):
     """One run, each step on another world size or strategy: 2 sharded -> 1 -> 3 sharded ->
@@ -139,7 +180,6 @@ def test_a_model_without_decoder_layers_cannot_be_sharded():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"rollout.speculative": "mtp"}, "rollout.speculative=mtp is not supported with"),
         ({"memory.dynamic_offload": True}, "memory.dynamic_offload"),
     ],
 )
