@@ -236,16 +236,16 @@ def _strategy(config: Config) -> None:
 
 
 def _routing(config: Config) -> None:
-    """What routing replay needs of the other keys: the rollout's experts are recorded by the
-    plain decode loop (not by speculative decoding); a replayed pass must hold its plan
+    """What routing replay needs of the other keys: a replayed pass must hold its plan
     through the backward (no activation checkpointing, which reruns layers there)."""
     replay = config.algorithm.routing_replay
     if replay == "off":
         return
     key = f"algorithm.routing_replay={replay}"
-    if replay == "R3" and config.rollout.speculative != "off":
+    if replay == "R3" and config.rollout.speculative == "server":
         raise ConfigError(
-            f"{key}: speculative decoding records no routed experts; set rollout.speculative=off"
+            f"{key}: servers that speculate report no routed experts of their drafts' "
+            "verification here; set rollout.speculative=off"
         )
     if config.model.gradient_checkpointing:
         raise ConfigError(

@@ -70,6 +70,8 @@ def test_a_family_replay_cannot_reproduce_is_refused_with_the_reason(moe_dirs, d
     [
         {"schedule.mode": "one_step", "algorithm.routing_replay": "R3"},
         {"schedule.mode": "async", "algorithm.routing_replay": "R3"},
+        {"algorithm.routing_replay": "R3", "rollout.speculative": "ngram"},
+        {"algorithm.routing_replay": "R3", "rollout.speculative": "mtp"},
         {  # each sample's experts stitched across its chunks
             "schedule.mode": "async",
             "schedule.partial_rollout": True,
@@ -80,7 +82,16 @@ def test_a_family_replay_cannot_reproduce_is_refused_with_the_reason(moe_dirs, d
         {"algorithm.router_aux_coef": 0.01, "algorithm.router_z_coef": 0.001},
         {"algorithm.routing_replay": "R3", "model.lora_rank": 4, "trainer.autocast": "bfloat16"},
     ],
-    ids=["one_step-R3", "async-R3", "partial-R3", "R2", "router-losses", "lora-bf16-R3"],
+    ids=[
+        "one_step-R3",
+        "async-R3",
+        "ngram-R3",
+        "mtp-R3",
+        "partial-R3",
+        "R2",
+        "router-losses",
+        "lora-bf16-R3",
+    ],
 )
 def test_replay_and_router_losses_train(tmp_path, moe_dirs, digit_reward, overrides):
     values = QUICK | overrides
@@ -102,7 +113,11 @@ def test_yaml_off_reads_as_off():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"rollout.speculative": "ngram"}, "speculative decoding records no routed experts"),
+        (
+            {"rollout.engine": "openai", "rollout.endpoints": "http://127.0.0.1:9"}
+            | {"rollout.speculative": "server"},
+            "servers that speculate report no routed experts",
+        ),
         ({"model.gradient_checkpointing": True}, "activation checkpointing"),
     ],
 )

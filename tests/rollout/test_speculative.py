@@ -244,3 +244,33 @@ def test_a_drafted_response_ends_at_a_call_s_stop_id(policy, tokenizer, kind):
         assert part.response_ids == ids
     assert stopped >= 1
     assert fast.take_report()[0]["rollout/spec_accept_rate"] > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_drafted_tokens_carry_the_experts_plain_decoding_routes_them_to(tokenizer, kind):
+    """Routing replay R3 with speculative decoding: each token's routed experts are those of
+    the policy's pass that took it as input (the prompt's from the prefill, then t, x_1 ..
+    x_a of every verify round), as many rows as plain decoding records. Greedy, so both
+    decode the same tokens; the choices agree but for float ties between a batched verify
+    pass and one-token steps."""
+    from tests.models.moe_models import moe_model
+
+    policy = moe_model("qwen3_moe", len(tokenizer), tokenizer.pad_token_id).eval()
+    params = SamplingParams(n=2, max_new_tokens=16, max_seq_len=64, greedy=True)
+    requests = [GenerationRequest(f"p{i}", tokenizer.encode(f"{i}{i}+3{i}="), i) for i in range(3)]
+    plain = engine(policy, tokenizer).generate(requests, params)
+    draft = random_heads(policy) if kind == "mtp" else None
+    fast = engine(policy, tokenizer, Speculation(kind, 3, 0.0, 20, draft))
+    drafted = fast.generate(requests, params)
+    assert fast.take_report()[0]["rollout/spec_draft_tokens"] > 0
+    same = total = 0
+    for want, got in zip(plain, drafted, strict=True):
+        assert got.response_ids == want.response_ids
+        assert got.routed_experts.shape == want.routed_experts.shape
+        rows = len(want.prompt_ids) + len(want.response_ids) - 1
+        assert len(got.routed_experts) == rows
+        same += int(
+            (got.routed_experts.sort(-1).values == want.routed_experts.sort(-1).values).sum()
+        )
+        total += want.routed_experts.numel()
+    assert same / total > 0.99, same / total

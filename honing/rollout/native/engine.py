@@ -215,26 +215,32 @@ class TransformersEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         spec = self.speculation
-        tokens, logprobs, chunk_stats = speculative_decode(
-            FastDecoder(self.model),
-            spec.draft(self.model),
-            ids,
-            mask,
-            positions,
-            budget,
-            spec.tokens,
-            _distribution(params),
-            generator,
-            torch.tensor(sorted(self._stops(params)), device=self.device),
-            self.tokenizer.pad_token_id,
-            [list(r.prompt_ids) for r in chunk],
-            min_accept=spec.min_accept,
-            deadline=self._deadline(started),
-        )
+        target = FastDecoder(self.model)
+        routers = routers_of(self.model)  # an MoE policy: record each token's experts
+        session = routers.session(record=True) if routers else contextlib.nullcontext()
+        fed: list | None = [] if routers else None
+        with session:
+            tokens, logprobs, chunk_stats = speculative_decode(
+                target,
+                spec.draft(self.model),
+                ids,
+                mask,
+                positions,
+                budget,
+                spec.tokens,
+                _distribution(params),
+                generator,
+                torch.tensor(sorted(self._stops(params)), device=self.device),
+                self.tokenizer.pad_token_id,
+                [list(r.prompt_ids) for r in chunk],
+                min_accept=spec.min_accept,
+                deadline=self._deadline(started),
+                fed=fed,
+            )
         self.model.train(was_training)
         stats.add(chunk_stats)
         seconds = time.perf_counter() - started
-        return self._to_rollouts(
+        rollouts = self._to_rollouts(
             chunk,
             tokens.tolist(),
             logprobs.tolist(),
@@ -243,6 +249,9 @@ class TransformersEngine(RolloutEngine):
             chunk_stats.cut.tolist() if chunk_stats.cut is not None else None,
             stops=self._stops(params),
         )
+        if routers:
+            _attach_drafted_experts(rollouts, session, target, ids.shape, fed)
+        return rollouts
 
     def _stops(self, params: SamplingParams) -> set[int]:
         """The token ids that end a response of this call.
@@ -432,6 +441,31 @@ def _attach_experts(rollouts: list[Rollout], session, prefill_rows, shape) -> No
         prompt = prefill[row, width - len(rollout.prompt_ids) :]
         answered = steps[row, : max(len(rollout.response_ids) - 1, 0)]
         rollout.routed_experts = torch.cat([prompt, answered]).clone()  # its own storage
+
+
+def _attach_drafted_experts(rollouts: list[Rollout], session, target, shape, fed) -> None:
+    """``_attach_experts`` for a speculative call: the prompt's rows from the prefill, then
+    from each pass of the policy the rows of the tokens it kept as inputs (``fed``: a verify
+    pass feeds t, x_1 .. x_k and keeps t, x_1 .. x_a). A record that does not line up with
+    the passes (a draft model that is the policy itself routes through the same routers)
+    leaves the rollouts without experts, which routing replay R3 then refuses in one line."""
+    calls = session.recorded_calls()
+    if len(calls) != 1 + len(fed):
+        return
+    batch, width = shape
+    prefill = calls[0].view(-1, width, *calls[0].shape[1:]).cpu()
+    rows = getattr(target, "prefill_rows", None)
+    if rows is not None:
+        prefill = prefill[rows.cpu()]
+    passes = [
+        (call.view(batch, fed_width, *call.shape[1:]).cpu(), kept.tolist())
+        for call, (fed_width, kept) in zip(calls[1:], fed, strict=True)
+    ]
+    for row, rollout in enumerate(rollouts):
+        pieces = [prefill[row, width - len(rollout.prompt_ids) :]]
+        pieces += [recorded[row, : kept[row]] for recorded, kept in passes if kept[row]]
+        inputs = len(rollout.prompt_ids) + max(len(rollout.response_ids) - 1, 0)
+        rollout.routed_experts = torch.cat(pieces)[:inputs].clone()  # its own storage
 
 
 def _distribution(params: SamplingParams):

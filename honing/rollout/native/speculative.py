@@ -169,6 +169,7 @@ def speculative_decode(
     judge_after: int = 4,
     min_accept: float = 0.0,
     deadline: float = float("inf"),
+    fed: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SpecStats]:
     """Sample up to ``budget`` [B] tokens per row (see the module).
 
@@ -179,6 +180,9 @@ def speculative_decode(
     (``time.perf_counter``) the rows still generating are cut (``stats.cut``).
 
     Returns tokens [B, N] and their logprobs [B, N] (``pad`` after a row's end), and the stats.
+    ``fed``, when given, gets one entry per pass of ``target`` after the prefill: (tokens each
+    row fed, [B] how many of them each row kept as inputs of its response), so that what the
+    pass recorded of each token (routed experts) can be kept for the tokens kept.
     """
     rows, device = ids.shape[0], ids.device
     most = int(budget.max())
@@ -214,6 +218,8 @@ def speculative_decode(
             count = torch.where(active, count + 1, count)
             done = done | (active & (torch.isin(t, stop) | (count >= budget)))
             pos_t = pos_t + 1
+            if fed is not None:
+                fed.append((1, active.long()))
             continue
         x, q = draft.propose(t, pos_t, k, dist, generator)  # [B, k], [B, k, V] or None
         start = target.length
@@ -256,6 +262,8 @@ def speculative_decode(
         stopped = (torch.isin(emitted, stop) & (offsets[None] < kept[:, None])).any(1)
         count = torch.where(active, count + kept, count)
         done = done | (active & (stopped | (count >= budget)))
+        if fed is not None:  # t, x_1 .. x_a: the inputs of the tokens this round emitted
+            fed.append((k + 1, torch.where(active, kept, torch.zeros_like(kept))))
         target.drop(start, offsets[None] > accepted[:, None])  # keep t and x_1 .. x_a
         draft.settle(accepted, emitted, kept)
         live = int(active.sum())
