@@ -61,6 +61,49 @@ def test_speculated_turns_stop_at_the_tool_call(tagged_model_dir, digit_reward, 
         assert kind != "mtp" or "mtp/loss" in m
 
 
+@pytest.mark.slow
+def test_two_ranks_each_run_the_turns_of_their_share(tagged_model_dir, digit_reward, tmp_path):
+    """Under torchrun (FSDP) each rank runs the turn loop on its share of every generate call
+    (the tasks dealt to both ranks): two steps, every sample accounted for, the ranks' tool
+    metrics merged into the step's."""
+    import subprocess
+
+    from tests import warm
+
+    from ._configs import cli_args
+
+    values = TOOLS | {"trainer.total_steps": 2, "trainer.val_at_start": False}
+    values |= {"trainer.strategy": "fsdp", "pipeline.rollout_chunk": 1, "trainer.threads": 1}
+    values["rollout.tools"] = "[calculator]"
+    args = cli_args(tagged_model_dir, digit_reward, tmp_path / "run", **values)
+    result = subprocess.run(warm.torchrun(2, "train", *args), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+        assert m["samples/generated"] == sum(m[k] for k in parts) == 6
+        assert m["rollout/generation_ranks"] == 2.0
+        assert m["tool/samples"] == 6 and m["tool/turns_per_sample"] >= 1
+
+
+def test_the_ranks_tool_metrics_merge_by_the_samples_behind_them():
+    from honing.rollout.native.speculative import merge_metrics
+
+    one = {"tool/samples": 2.0, "tool/calls": 2.0, "tool/errors": 1.0, "tool/timeouts": 0.0}
+    one |= {"tool/calls_per_sample": 1.0, "tool/turns_per_sample": 2.0, "tool/latency_s": 0.5}
+    two = {"tool/samples": 6.0, "tool/calls": 0.0, "tool/errors": 0.0, "tool/timeouts": 0.0}
+    two |= {"tool/calls_per_sample": 0.0, "tool/turns_per_sample": 1.0, "tool/latency_s": 0.0}
+    one["tool/hung_threads"], two["tool/hung_threads"] = 0.0, 3.0
+    merged = merge_metrics([one, two, {"rollout/gen_timeouts": 1.0}])
+    assert merged["tool/samples"] == 8 and merged["tool/calls"] == 2
+    assert merged["tool/calls_per_sample"] == 0.25
+    assert merged["tool/turns_per_sample"] == (2 * 2 + 6 * 1) / 8
+    assert merged["tool/latency_s"] == 0.5 and merged["tool/hung_threads"] == 3
+    assert merged["rollout/gen_timeouts"] == 1
+
+
 def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
     micro_model_dir, digit_reward, tmp_path
 ):

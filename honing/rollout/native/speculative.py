@@ -366,8 +366,11 @@ COUNTS = ("rollout/spec_drafts", "rollout/spec_draft_tokens", "rollout/spec_acce
 def merge_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
     """Several generate calls' engine metrics as one: counts (speculation's, timeouts, kept
     cache tokens) summed,
-    the acceptance recomputed from them, ``rollout/spec_enabled`` 1 if any call speculated."""
-    merged: dict[str, float] = {}
+    the acceptance recomputed from them, ``rollout/spec_enabled`` 1 if any call speculated;
+    the turn loops' ``tool/*`` metrics weighted by the samples behind them."""
+    from honing.rollout.tools.turns import merge_tool_metrics
+
+    merged: dict[str, float] = merge_tool_metrics(reports)
     for metrics in reports:
         for key in ("rollout/gen_timeouts", "partial/kv_kept_tokens", *COUNTS):
             if key in metrics:

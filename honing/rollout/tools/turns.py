@@ -141,6 +141,7 @@ class ToolEngine(RolloutEngine):
         if sums:
             samples, calls = max(sums["samples"], 1.0), max(sums["calls"], 1.0)
             metrics = metrics | {
+                "tool/samples": sums["samples"],
                 "tool/calls": sums["calls"],
                 "tool/errors": sums["errors"],
                 "tool/timeouts": sums["timeouts"],
@@ -338,6 +339,26 @@ class ToolEngine(RolloutEngine):
         }
         for key, value in add.items():
             self._report[key] = self._report.get(key, 0.0) + value
+
+
+def merge_tool_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Several turn loops' ``tool/*`` metrics (the ranks', the workers') as one: counts
+    summed, the per-sample and per-call figures weighted by the samples and calls behind them,
+    hung threads the most any process holds."""
+    parts = [m for m in reports if m.get("tool/samples")]
+    if not parts:
+        return {}
+    total = {k: sum(m[f"tool/{k}"] for m in parts) for k in ("samples", "calls", "errors")}
+    total["timeouts"] = sum(m["tool/timeouts"] for m in parts)
+    turns = sum(m["tool/turns_per_sample"] * m["tool/samples"] for m in parts)
+    latency = sum(m["tool/latency_s"] * max(m["tool/calls"], 1.0) for m in parts)
+    calls = max(total["calls"], 1.0)
+    return {f"tool/{k}": v for k, v in total.items()} | {
+        "tool/calls_per_sample": total["calls"] / total["samples"],
+        "tool/turns_per_sample": turns / total["samples"],
+        "tool/latency_s": latency / calls if total["calls"] else 0.0,
+        "tool/hung_threads": max(m["tool/hung_threads"] for m in parts),
+    }
 
 
 TOOL_OPEN, TOOL_CLOSE = "[tool output]", "[/tool output]"
