@@ -114,6 +114,21 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tagged_model_dir(micro_model_dir, tmp_path_factory) -> Path:
+    """The micro model with the Hermes tags as special tokens of its tokenizer (embeddings
+    grown by two rows), as a chat model with tools has them."""
+    from honing.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(micro_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
+    model.resize_token_embeddings(len(tokenizer))
+    directory = tmp_path_factory.mktemp("tagged") / "model"
+    save_model(model, tokenizer, directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def digit_reward(tmp_path_factory) -> str:
     """A ``reward.function`` spec (``file.py:function``) for ``DIGIT_REWARD``."""
     path = tmp_path_factory.mktemp("rewards") / "digit_reward.py"

@@ -1,6 +1,7 @@
 """The Ray backend's workers: rollout workers (each a ``TransformersEngine`` on its own copy of
-the policy) behind ``RayRolloutEngine``, and reward workers (each the run's own scorer) behind
-``RayScorer``; both are pools (``ray_pools``).
+the policy, in the turn loop of ``rollout.tools`` when the run has tools) behind
+``RayRolloutEngine``, and reward workers (each the run's own scorer) behind ``RayScorer``;
+both are pools (``ray_pools``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class RolloutWorker:
         device = resolve_device(config.model.device)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.model.trust_remote_code)
         model = frozen_model(Path(model_dir), tokenizer, config.model, device)
-        self.engine = local_engine(config, model, tokenizer, device)  # its own copy
+        self.local = local_engine(config, model, tokenizer, device)  # its own copy
+        self.engine = self.local  # with rollout.tools: the turn loop runs here, beside it
+        if config.rollout.tools:
+            from honing.rollout.tools.turns import with_tools
+
+            self.engine, _ = with_tools(self.local, self.local, tokenizer, config.rollout)
 
     def ready(self) -> bool:
         return True
@@ -68,7 +74,7 @@ class RolloutWorker:
 
             self.engine.load_weights(version, policy_buckets())
             if heads:
-                self.engine.speculation.draft_model.load_state_dict(heads)
+                self.local.speculation.draft_model.load_state_dict(heads)
         rollouts = self.engine.generate(requests, params)
         return rollouts, self.engine.take_report()
 

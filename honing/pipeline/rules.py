@@ -34,7 +34,6 @@ def check_config(config: Config, world_size: int = 1) -> None:
         _rollout,
         _schedule,
         _strategy,
-        _tools,
     )
     for check in checks:
         check(config)
@@ -194,9 +193,16 @@ def _partial(config: Config) -> None:
         )
     for unsupported, key, why in (
         (
-            config.pipeline.backend == "ray",
-            "pipeline.backend=ray",
-            "the pool continues samples in the trainer's process",
+            config.pipeline.backend == "ray" and bool(config.rollout.tools),
+            "pipeline.backend=ray and rollout.tools",
+            "the turn loop keeps a sample's turns in the worker that ran its last chunk, and "
+            "the next chunk may go to another",
+        ),
+        (
+            config.pipeline.backend == "ray" and keep,
+            "pipeline.backend=ray and schedule.partial_kv=keep",
+            "a sample's kept cache is in the worker that ran its last chunk, and the next "
+            "chunk may go to another; use schedule.partial_kv=recompute",
         ),
         (
             keep and config.rollout.engine == "openai",
@@ -430,19 +436,3 @@ def _tensor_parallel(config: Config, world_size: int) -> None:
             "and a tensor-parallel engine needs its other ranks in every call; use "
             "schedule.mode=sync or rollout.tensor_parallel=1"
         )
-
-
-def _tools(config: Config) -> None:
-    """Multi-turn rollouts with tools (rollout/tools/turns.py) wrap the engine of a process
-    (under torchrun each rank's); what they do not take yet is said in one line."""
-    if not config.rollout.tools:
-        return
-    for unsupported, key, why in (
-        (
-            config.pipeline.backend == "ray",
-            "pipeline.backend=ray",
-            "the turn loop runs in the trainer's process, not in Ray's rollout workers",
-        ),
-    ):
-        if unsupported:
-            raise ConfigError(f"rollout.tools is not supported with {key} yet: {why}")

@@ -181,7 +181,15 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
             {"schedule.partial_rollout": False, "schedule.partial_kv": "keep"},
             "applies to schedule.partial_rollout=true",
         ),
-        ({"pipeline.backend": "ray"}, "not supported with pipeline.backend=ray"),
+        ({"pipeline.backend": "ray"}, None),
+        (
+            {"pipeline.backend": "ray", "rollout.tools": ["calculator"]},
+            "not supported with pipeline.backend=ray and rollout.tools",
+        ),
+        (
+            {"pipeline.backend": "ray", "schedule.partial_kv": "keep"},
+            "not supported with pipeline.backend=ray and schedule.partial_kv=keep",
+        ),
         ({"algorithm.routing_replay": "R3"}, None),
         (
             {"algorithm.routing_replay": "R3", "schedule.partial_kv": "keep"},

@@ -422,6 +422,35 @@ def test_workers_record_each_tokens_experts_for_replay(cluster, tmp_path, moe_di
     assert len(steps) == 2 and all(s["moe/rollout_router_match"] >= 0.99 for s in steps)
 
 
+def test_workers_run_the_turn_loop_and_the_partial_pool_samples_through_them(
+    cluster, tmp_path, tagged_model_dir, micro_model_dir, digit_reward
+):
+    """rollout.tools under Ray: each rollout worker runs the calculator's turn loop beside its
+    engine, and their tool metrics reach the step's. schedule.partial_rollout under Ray: the
+    producer's pool continues its samples chunk by chunk through the workers, the newest
+    weights loaded between chunks. Every sample is accounted for in both."""
+    accounted = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+    tools = {"rollout.tools": ["calculator"], "rollout.max_new_tokens": 12}
+    partial = {"schedule.mode": "async", "schedule.partial_rollout": True}
+    partial |= {"schedule.partial_chunk_tokens": 1, "schedule.max_staleness": 2}
+    for name, model_dir, overrides in (
+        ("tools", tagged_model_dir, tools),
+        ("partial", micro_model_dir, partial),
+    ):
+        values = {"pipeline.backend": "ray", "pipeline.rollout_workers": 2}
+        values |= {"trainer.total_steps": 2, "trainer.val_at_start": False} | overrides
+        config = small_run_config(model_dir, digit_reward, **values)
+        train(config, tmp_path / name, log=lambda message: None)
+        steps = [m for m in _metrics(tmp_path / name) if "samples/generated" in m]
+        assert len(steps) == 2, name
+        for m in steps:
+            assert m["samples/generated"] == sum(m[k] for k in accounted) > 0, m
+            if name == "tools":
+                assert m["tool/samples"] == m["samples/generated"]
+            else:
+                assert "partial/carried_samples" in m
+
+
 def test_the_trainer_actor_takes_the_run_directorys_lock(
     cluster, tmp_path, micro_model_dir, digit_reward
 ):

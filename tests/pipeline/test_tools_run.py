@@ -1,32 +1,16 @@
-"""Runs with tools (rollout.tools): the turn loop wraps the run's engines, and what it does not
-take is refused in one line."""
+"""Runs with tools (rollout.tools): the turn loop wraps the run's engines: in one process,
+on every torchrun rank, with speculative decoding."""
 
 import json
 
 import pytest
 
 from honing.backends.launch import train
-from honing.config import build_config
 from honing.errors import ConfigError
-from honing.models.loading import load_causal_lm, load_tokenizer, save_model
-from honing.pipeline.rules import check_config
 
 from ._configs import small_run_config
 
 TOOLS = {"rollout.tools": ["calculator"], "rollout.max_new_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def tagged_model_dir(micro_model_dir, tmp_path_factory):
-    """The micro model with the Hermes tags as special tokens of its tokenizer (embeddings
-    grown by two rows), as a chat model with tools has them."""
-    tokenizer = load_tokenizer(micro_model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    model = load_causal_lm(micro_model_dir, tokenizer, dtype="float32", device="cpu")
-    model.resize_token_embeddings(len(tokenizer))
-    directory = tmp_path_factory.mktemp("tagged") / "model"
-    save_model(model, tokenizer, directory)
-    return directory
 
 
 def test_a_run_with_tools_samples_turn_by_turn(tagged_model_dir, digit_reward, tmp_path):
@@ -110,15 +94,3 @@ def test_a_tokenizer_without_the_closing_tag_as_one_token_is_one_line(
     cfg = small_run_config(micro_model_dir, digit_reward, **TOOLS | {"trainer.total_steps": 1})
     with pytest.raises(ConfigError, match="a turn ends at one token"):
         train(cfg, tmp_path / "run", log=lambda message: None)
-
-
-@pytest.mark.parametrize(
-    "overrides, world_size, key",
-    [
-        ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
-    ],
-)
-def test_what_the_turn_loop_does_not_take_is_refused_in_one_line(overrides, world_size, key):
-    cfg = build_config(TOOLS | overrides)
-    with pytest.raises(ConfigError, match=f"rollout.tools is not supported with {key}"):
-        check_config(cfg, world_size=world_size)
