@@ -11,7 +11,9 @@ Ray changes where its parts live, not what they do:
   were raised, so exit statuses are the same as without Ray.
 - In the trainer actor the run is built as usual, then ``attach`` swaps in the two pools: the
   training engine becomes ``RayRolloutEngine`` over ``pipeline.rollout_workers`` **rollout
-  workers** (each a ``TransformersEngine`` on its own copy of the policy), and the scorer
+  workers** (each a ``TransformersEngine`` on its own copy of the policy, or vLLM in the
+  actor under ``rollout.engine=vllm``; under ``rollout.engine=openai`` the actor samples from
+  the servers itself and no rollout worker starts), and the scorer
   becomes ``RayScorer`` over ``pipeline.reward_workers`` **reward workers** (each the run's
   own scorer, ``build_scorer``). Validation stays in the trainer, on the policy itself.
 - Under ``schedule.mode=one_step|async`` the producer's queue sits in the trainer actor: its
@@ -268,8 +270,11 @@ def attach(config: Config, parts: Components, model_dir: Path) -> Components:
             ),
         )
     report = Report()
-    engine = RayRolloutEngine(config, model_dir, _SESSION["control"], _SESSION["run_id"], report)
-    engine.load_weights(0, rollout_weights(parts, engine))
+    engine = parts.engine  # rollout.engine=openai: the servers, sampled from this actor
+    if config.rollout.engine != "openai":
+        control, rid = _SESSION["control"], _SESSION["run_id"]
+        engine = RayRolloutEngine(config, model_dir, control, rid, report)
+        engine.load_weights(0, rollout_weights(parts, engine))
     scorer = parts.scorer
     if config.pipeline.reward_workers:
         rewards = RewardPool(config, _SESSION["control"], _SESSION["run_id"], report)

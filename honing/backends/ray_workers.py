@@ -1,5 +1,6 @@
 """The Ray backend's workers: rollout workers (each a ``TransformersEngine`` on its own copy of
-the policy, in the turn loop of ``rollout.tools`` when the run has tools) behind
+the policy, or vLLM in the actor under ``rollout.engine=vllm``; in the turn loop of
+``rollout.tools`` when the run has tools) behind
 ``RayRolloutEngine``, and reward workers (each the run's own scorer) behind ``RayScorer``;
 both are pools (``ray_pools``).
 """
@@ -14,7 +15,7 @@ from honing.backends.ray_pools import Report, _Pool, _Worker
 from honing.config import Config
 from honing.models.loading import load_tokenizer, resolve_device
 from honing.pipeline.inputs import build_scorer
-from honing.pipeline.rollout_engines import frozen_model, local_engine
+from honing.pipeline.rollout_engines import frozen_model, local_engine, vllm_engine
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
@@ -43,10 +44,12 @@ class RolloutWorker:
         model = frozen_model(Path(model_dir), tokenizer, config.model, device)
         self.local = local_engine(config, model, tokenizer, device)  # its own copy
         self.engine = self.local  # with rollout.tools: the turn loop runs here, beside it
+        if config.rollout.engine == "vllm":  # vLLM in this actor: the first task's weights
+            self.engine = vllm_engine(config, self.local, Path(model_dir), device)
         if config.rollout.tools:
             from honing.rollout.tools.turns import with_tools
 
-            self.engine, _ = with_tools(self.local, self.local, tokenizer, config.rollout)
+            self.engine, _ = with_tools(self.engine, self.engine, tokenizer, config.rollout)
 
     def ready(self) -> bool:
         return True

@@ -30,7 +30,7 @@ import torch
 from honing.config import Config
 from honing.config.tree import ModelConfig, RolloutConfig
 from honing.errors import ConfigError
-from honing.models.loading import check_model_dir, load_causal_lm
+from honing.models.loading import check_model_dir, load_causal_lm, plain_weight_items
 from honing.pipeline.rules import check_config
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
@@ -134,7 +134,8 @@ def build_rollout_engines(
     rollout = config.rollout
     local = local_engine(config, sampler, tokenizer, device, holds)
     if rollout.engine == "vllm":
-        engine = vllm_engine(config, local, model_path, device, trainer)
+        weights = trainer.weights(plain_weight_items)
+        engine = vllm_engine(config, local, model_path, device, weights, trainer.world_size)
     elif rollout.engine == "openai":
         engine = remote_engine(config, local, model_path)
     else:  # transformers, or auto where nothing chose (launch.train chooses)
@@ -224,13 +225,18 @@ def speculation(config: Config, tokenizer, device: torch.device, policy=None):
 
 
 def vllm_engine(
-    config: Config, local: TransformersEngine, model_dir: Path, device, trainer: TrainerEngine
+    config: Config,
+    local: TransformersEngine,
+    model_dir: Path,
+    device,
+    weights=None,
+    ranks: int = 1,
 ):
     """``rollout.engine=vllm``: vLLM in this process, built from ``model_dir``'s config with
-    the rollout settings, the policy's stop tokens and the policy's weights as ``trainer``
-    holds them (LoRA merged; embeddings grown for an added pad token included). On CUDA it
-    samples in the trainer's autocast dtype where one is set."""
-    from honing.models.loading import plain_weight_items
+    the rollout settings, the policy's stop tokens and ``weights`` (the policy's as the trainer
+    holds them: LoRA merged, embeddings grown for an added pad token included; None: the
+    directory's, until the first load), one engine in each of ``ranks`` torchrun ranks. On
+    CUDA it samples in the trainer's autocast dtype where one is set."""
     from honing.rollout.vllm.engine import CPU_KV_CACHE_MB, VLLMEngine, VLLMSettings, model_problem
 
     rollout, policy = config.rollout, local.model
@@ -252,7 +258,7 @@ def vllm_engine(
         seed=config.trainer.seed,
         # partial rollouts keeping a sample's cache keep its vLLM request alive instead
         prefix_caching=config.schedule.partial_kv != "keep",
-        torchrun=trainer.world_size > 1,  # an engine in every rank
+        torchrun=ranks > 1,  # an engine in every rank
         tensor_parallel=rollout.tensor_parallel,
     )
     try:
@@ -267,7 +273,7 @@ def vllm_engine(
             ),
             settings=settings,
             device_type=device.type,
-            weights=trainer.weights(plain_weight_items),
+            weights=weights,
             vocab_size=policy.get_input_embeddings().weight.shape[0],
         )
     except ValueError as err:  # the policy's weights do not fit vLLM's model

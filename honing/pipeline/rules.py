@@ -362,17 +362,14 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
 
 
 def _backend(config: Config, world_size: int) -> None:
+    """``pipeline.backend=ray``: one trainer actor, its rollout workers running honing's
+    engine or vLLM (``rollout.engine=vllm``), or the servers it samples from."""
     if config.pipeline.backend != "ray":
         return
     if world_size > 1:
         raise ConfigError(
             "pipeline.backend=ray does not run under torchrun; start one process "
             "(the trainer actor holds the trainer)"
-        )
-    if config.rollout.engine not in ("transformers", "auto"):  # auto: honing's under Ray
-        raise ConfigError(
-            "pipeline.backend=ray runs honing's own engine in its rollout workers; "
-            f"rollout.engine={config.rollout.engine} runs vLLM or servers (use backend=local)"
         )
 
 
