@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests import warm
 
 
@@ -46,6 +48,7 @@ def _gone(pid: int, within: float = 5.0) -> bool:
     return False
 
 
+@pytest.mark.alone  # a 10 s deadline: a neighbour loading both cores once outlasted it
 def test_a_signal_to_the_client_reaches_the_command_and_is_its_status():
     client, pid = _started("trap", "where", "sleep")  # the command's handler: it exits 42
     client.send_signal(signal.SIGTERM)

@@ -344,9 +344,9 @@ def test_an_error_in_the_trainer_actor_comes_back_as_raised(
     with pytest.raises(UserError, match="nowhere.py"):  # raised in the actor, as it was
         train(config, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()  # nothing half-written
-    remote = replace(config, rollout=replace(config.rollout, engine="openai", endpoints="http://x"))
-    with pytest.raises(ConfigError, match="rollout workers"):
-        train(remote, tmp_path / "bad")
+    sharded = replace(config, trainer=replace(config.trainer, strategy="fsdp"))
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp"):
+        train(sharded, tmp_path / "bad")
 
 
 def test_an_unplaceable_trainer_says_what_it_asked_for(
@@ -454,7 +454,7 @@ def test_workers_run_the_turn_loop_and_the_partial_pool_samples_through_them(
 def test_workers_hold_vllm_and_the_trainer_actor_samples_from_servers(
     cluster, tmp_path, vllm_model_dir, digit_reward
 ):
-    """rollout.engine=vllm under Ray: each rollout worker holds vLLM in its actor and takes
+    """rollout.engine=vllm under Ray: a rollout worker holds vLLM in its actor and takes
     every version from the object store (the gap to the trainer's logprobs stays at
     rounding). rollout.engine=openai under Ray: the trainer actor samples from the servers
     (honing serve rollout on loopback) and sends them each version; no rollout worker starts."""
@@ -465,7 +465,7 @@ def test_workers_hold_vllm_and_the_trainer_actor_samples_from_servers(
             ("vllm", {"rollout.engine": "vllm", "rollout.vllm_kv_cache_mb": 16}),
             ("servers", {"rollout.engine": "openai", "rollout.endpoints": url}),
         ):
-            values = {"pipeline.backend": "ray", "pipeline.rollout_workers": 2}
+            values = {"pipeline.backend": "ray", "pipeline.rollout_workers": 1}
             values |= {"trainer.total_steps": 2, "trainer.val_at_start": False}
             values |= {"rollout.max_seq_len": 64, "trainer.lr": 3e-3} | overrides
             config = small_run_config(vllm_model_dir, digit_reward, **values)

@@ -79,7 +79,6 @@ def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
         ({"rollout.speculative": "ngram"}, 1, "rollout.speculative applies to honing's"),
         ({"rollout.gen_timeout_s": 5.0}, 1, "rollout.gen_timeout_s"),
         ({"algorithm.routing_replay": "R3"}, 1, "R3"),
-        ({"pipeline.backend": "ray"}, 1, "pipeline.backend=ray"),
         ({"rollout.vllm_sleep": True, "schedule.mode": "async"}, 1, "vllm_sleep"),
     ],
 )
@@ -93,9 +92,17 @@ def test_settings_vllm_cannot_take_keep_honing_s_engine(
 
 
 @needs_vllm
-@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
-def test_torchrun_ranks_on_gpus_take_vllm_in_each_rank(large_config_dir, on_cuda, strategy):
-    engine, said = _chosen(large_config_dir, 2, **{"trainer.strategy": strategy})
+@pytest.mark.parametrize(
+    ("ranks", "overrides"),
+    [
+        (2, {"trainer.strategy": "replicate"}),
+        (2, {"trainer.strategy": "fsdp"}),
+        (1, {"pipeline.backend": "ray"}),
+    ],
+)
+def test_ranks_and_ray_workers_on_gpus_take_vllm(large_config_dir, on_cuda, ranks, overrides):
+    """vLLM in every torchrun rank, or in every Ray rollout worker."""
+    engine, said = _chosen(large_config_dir, ranks, **overrides)
     assert engine == "vllm", said
 
 
