@@ -16,8 +16,9 @@ def main() -> int:
             print("to stderr", file=sys.stderr)
         elif word == "trap":  # SIGTERM ends it with status 42
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(42))
-        elif word == "sleep":
-            time.sleep(60)
+        elif word == "sleep":  # in short naps: a signal another thread took (an OpenMP
+            for _ in range(600):  # worker's) runs its handler at the next nap's end
+                time.sleep(0.1)
         elif word.startswith("die="):
             os.kill(os.getpid(), int(word[4:]))
         elif word.startswith("exit="):
