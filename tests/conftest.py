@@ -129,6 +129,14 @@ def tagged_model_dir(micro_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tagged_tokenizer(tagged_model_dir):
+    """``tagged_model_dir``'s tokenizer: the built-in one with the Hermes tags as tokens."""
+    from honing.models.loading import load_tokenizer
+
+    return load_tokenizer(tagged_model_dir)
+
+
+@pytest.fixture(scope="session")
 def digit_reward(tmp_path_factory) -> str:
     """A ``reward.function`` spec (``file.py:function``) for ``DIGIT_REWARD``."""
     path = tmp_path_factory.mktemp("rewards") / "digit_reward.py"

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from honing.models.loading import load_tokenizer
 from honing.pipeline.partial import PartialPool
 from honing.rollout.base import GenerationRequest, Holding, RolloutEngine, SamplingParams
 from honing.rollout.tools.specs import ToolSettings, build_tools
@@ -19,14 +18,6 @@ from tests.rollout.test_multiturn import LOGPROB, Scripted, call, words
 
 CALL = 1000  # a routed-expert row's value: its position + CALL * the engine call that ran it
 TOOLS = ToolSettings(tools=("calculator",))
-
-
-@pytest.fixture(scope="module")
-def tagged(micro_model_dir):
-    """The built-in tokenizer with the Hermes tags as special tokens."""
-    tok = load_tokenizer(micro_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    return tok
 
 
 class Transcript(RolloutEngine):
@@ -78,8 +69,8 @@ class Transcript(RolloutEngine):
 
 
 @pytest.mark.parametrize("chunk", [3, 7, 40])
-def test_a_tool_sample_continued_by_chunks_is_the_sample_one_call_makes(tagged, chunk):
-    tokenizer = tagged
+def test_a_tool_sample_continued_by_chunks_is_the_sample_one_call_makes(tagged_tokenizer, chunk):
+    tokenizer = tagged_tokenizer
     prompt = words(tokenizer, "12+30=", end=False)
     turns = [call(tokenizer, "12+30"), call(tokenizer, "42*2"), words(tokenizer, "42")]
     settings = ToolSettings(tools=("calculator",))

@@ -11,6 +11,17 @@ from honing.errors import ConfigError
 from ._configs import small_run_config
 
 TOOLS = {"rollout.tools": ["calculator"], "rollout.max_new_tokens": 12}
+ACCOUNTED = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
+
+
+def _accounted_steps(run_dir, count: int) -> list[dict]:
+    """The run's ``count`` steps, each with its 6 samples accounted for."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == list(range(1, count + 1))
+    for m in steps:
+        assert m["samples/generated"] == sum(m[k] for k in ACCOUNTED) == 6
+    return steps
 
 
 def test_a_run_with_tools_samples_turn_by_turn(tagged_model_dir, digit_reward, tmp_path):
@@ -18,12 +29,7 @@ def test_a_run_with_tools_samples_turn_by_turn(tagged_model_dir, digit_reward, t
     logs the tool metrics and every sample is accounted for."""
     values = TOOLS | {"trainer.total_steps": 3, "trainer.val_at_start": False}
     train(small_run_config(tagged_model_dir, digit_reward, **values), tmp_path / "run", log=print)
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    for m in steps:
-        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
-        assert m["samples/generated"] == sum(m[k] for k in parts) == 6
+    for m in _accounted_steps(tmp_path / "run", 3):
         assert m["tool/turns_per_sample"] >= 1
 
 
@@ -35,12 +41,7 @@ def test_speculated_turns_stop_at_the_tool_call(tagged_model_dir, digit_reward, 
     values = TOOLS | {"trainer.total_steps": 2, "trainer.val_at_start": False}
     values |= {"rollout.speculative": kind, "rollout.spec_min_accept": 0.0}
     train(small_run_config(tagged_model_dir, digit_reward, **values), tmp_path / "run", log=print)
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
-        assert m["samples/generated"] == sum(m[k] for k in parts) == 6
+    for m in _accounted_steps(tmp_path / "run", 2):
         assert m["tool/turns_per_sample"] >= 1 and "rollout/spec_enabled" in m
         assert kind != "mtp" or "mtp/loss" in m
 
@@ -62,12 +63,7 @@ def test_two_ranks_each_run_the_turns_of_their_share(tagged_model_dir, digit_rew
     args = cli_args(tagged_model_dir, digit_reward, tmp_path / "run", **values)
     result = subprocess.run(warm.torchrun(2, "train", *args), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if m["step"] >= 1]
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        parts = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
-        assert m["samples/generated"] == sum(m[k] for k in parts) == 6
+    for m in _accounted_steps(tmp_path / "run", 2):
         assert m["rollout/generation_ranks"] == 2.0
         assert m["tool/samples"] == 6 and m["tool/turns_per_sample"] >= 1
 

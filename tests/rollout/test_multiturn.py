@@ -25,10 +25,8 @@ LOGPROB = -0.5  # every scripted token's behaviour logprob
 
 
 @pytest.fixture(scope="module")
-def tokenizer(micro_model_dir):
-    tok = load_tokenizer(micro_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    return tok
+def tokenizer(tagged_tokenizer):
+    return tagged_tokenizer
 
 
 class Scripted(RolloutEngine):

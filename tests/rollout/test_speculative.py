@@ -3,7 +3,6 @@ as plain sampling (statistically, with a draft that often disagrees), the same g
 logprobs that are the policy's, and the automatic switch that turns a bad draft off."""
 
 import collections
-from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from honing.rollout.base import GenerationRequest, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
 from honing.rollout.native.mtp import MtpHeads
 from honing.rollout.native.speculative import SpecStats, Speculation
+from tests.rollout.stopping import assert_cut_at_a_stop_id
 
 ROWS = 6000
 
@@ -232,17 +232,7 @@ def test_a_drafted_response_ends_at_a_call_s_stop_id(policy, tokenizer, kind):
     requests = [GenerationRequest(f"p{i}", tokenizer.encode(f"{i}{i}+3{i}="), i) for i in range(4)]
     draft = policy if kind == "draft" else None
     fast = engine(policy, tokenizer, Speculation(kind, 4, 0.0, 20, draft))
-    free = fast.generate(requests, params)
-    stop = max(free, key=lambda r: len(r.response_ids)).response_ids[1]
-    cut = fast.generate(requests, replace(params, stop_ids=(stop,)))
-    stopped = 0
-    for whole, part in zip(free, cut, strict=True):
-        ids = whole.response_ids
-        if stop in ids:
-            ids, stopped = ids[: ids.index(stop) + 1], stopped + 1
-            assert part.finish_reason == "stop"
-        assert part.response_ids == ids
-    assert stopped >= 1
+    assert_cut_at_a_stop_id(fast, requests, params)
     assert fast.take_report()[0]["rollout/spec_accept_rate"] > 0
 
 

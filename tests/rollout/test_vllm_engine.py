@@ -32,6 +32,7 @@ from honing.trainer.batch import collate, response_logprobs  # noqa: E402
 from honing.trainer.engine import buckets  # noqa: E402
 from tests.models.moe_models import moe_model  # noqa: E402
 from tests.rollout.continuing import continued  # noqa: E402
+from tests.rollout.stopping import assert_cut_at_a_stop_id  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -312,14 +313,4 @@ def test_a_call_s_stop_ids_end_its_responses(llama):
     same seed, ends at the first of them it samples, as ``stop``."""
     tokenizer, _, engine = llama
     params = SamplingParams(n=4, max_new_tokens=12, max_seq_len=64, temperature=1.5, seed=3)
-    free = engine.generate(_requests(tokenizer), params)
-    stop = max(free, key=lambda r: len(r.response_ids)).response_ids[1]
-    cut = engine.generate(_requests(tokenizer), replace(params, stop_ids=(stop,)))
-    stopped = 0
-    for whole, part in zip(free, cut, strict=True):
-        ids = whole.response_ids
-        if stop in ids:
-            ids, stopped = ids[: ids.index(stop) + 1], stopped + 1
-            assert part.finish_reason == "stop"
-        assert part.response_ids == ids
-    assert stopped >= 1
+    assert_cut_at_a_stop_id(engine, _requests(tokenizer), params)
