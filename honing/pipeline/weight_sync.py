@@ -73,10 +73,11 @@ def snapshot(parts: Components, engine: RolloutEngine) -> list[WeightBucket]:
     """A copy of ``rollout_weights``, bucket by bucket, that later updates leave alone: what
     a producer thread loads into its own engine while the trainer goes on (one_step /
     async)."""
-    return [
-        [(name, tensor.detach().clone()) for name, tensor in bucket]
-        for bucket in rollout_weights(parts, engine)
-    ]
+    return [_copied(bucket) for bucket in rollout_weights(parts, engine)]
+
+
+def _copied(bucket: WeightBucket) -> WeightBucket:
+    return [(name, tensor.detach().clone()) for name, tensor in bucket]
 
 
 def publish_ahead(parts: Components, version: int) -> list[WeightBucket]:
@@ -90,7 +91,7 @@ def publish_ahead(parts: Components, version: int) -> list[WeightBucket]:
 
     def keeping(buckets):
         for bucket in buckets:
-            kept.append([(name, tensor.detach().clone()) for name, tensor in bucket])
+            kept.append(_copied(bucket))
             yield bucket
 
     val = parts.val_engine

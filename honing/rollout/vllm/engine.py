@@ -97,19 +97,16 @@ def model_problem(model_config, device_type: str) -> str | None:
 SHM = Path("/dev/shm")
 
 
-def _cpu_segments(drop_stale: bool = False) -> set[Path]:
-    """The shared-memory segments of vLLM's tensor-parallel groups on a CPU
+def _drop_cpu_segments() -> None:
+    """Lets go of the shared-memory segments of vLLM's tensor-parallel groups on a CPU
     (``...-cpushm_<rank>``). vLLM names them after the run's init method alone, which under
     torchrun is the same for every run, and leaves them behind when it closes: a segment a
     killed run left would make the next run's engine fail to start (``create shm in
-    SHMManager failed. errno: 17``). With ``drop_stale`` those names are let go first (before
-    any rank's engine creates its own: creating them takes every rank of the group)."""
-    found = {path for path in SHM.glob("*-cpushm_*") if path.name.rsplit("_", 1)[1].isdigit()}
-    if drop_stale:
-        for path in found:
+    SHMManager failed. errno: 17``). Called before an engine starts (creating them takes
+    every rank of the group, so no rank's new ones are there yet) and after it closes."""
+    for path in SHM.glob("*-cpushm_*"):
+        if path.name.rsplit("_", 1)[1].isdigit():
             path.unlink(missing_ok=True)
-        return set()
-    return found
 
 
 def _begin_reload(worker) -> None:
@@ -186,8 +183,9 @@ class VLLMEngine(RolloutEngine):
         self.stop_ids = set(stop_ids)
         self.settings = settings or VLLMSettings()
         self.shared_by_ranks = self.settings.tensor_parallel
-        self._segments: set[Path] | None = None  # CPU tensor parallel: /dev/shm before it
         self.cuda = device_type == "cuda"
+        # on a CPU, tensor parallel: vLLM's groups keep segments in /dev/shm
+        self._cpu_segments = not self.cuda and self.settings.torchrun and self.shared_by_ranks > 1
         self.model_dir = str(model_dir)
         self.max_seq_len = max_seq_len
         started = time.perf_counter()
@@ -218,8 +216,8 @@ class VLLMEngine(RolloutEngine):
         if s.torchrun:  # vLLM uses torchrun's RANK, LOCAL_RANK and the ranks' group
             options["distributed_executor_backend"] = "external_launcher"
             options["tensor_parallel_size"] = s.tensor_parallel
-            if not self.cuda and s.tensor_parallel > 1:
-                self._segments = _cpu_segments(drop_stale=True)
+            if self._cpu_segments:
+                _drop_cpu_segments()  # stale ones
         if placeholder:
             options["load_format"] = "dummy"
         if vocab_size is not None:
@@ -404,6 +402,5 @@ class VLLMEngine(RolloutEngine):
         if llm is not None:
             self._live.drop()
             llm.llm_engine.engine_core.shutdown()
-        if self._segments is not None:  # the tensor-parallel groups' segments it made
-            for path in _cpu_segments() - self._segments:
-                path.unlink(missing_ok=True)
+        if getattr(self, "_cpu_segments", False):  # the ones its groups made
+            _drop_cpu_segments()
