@@ -172,8 +172,7 @@ class ToolEngine(RolloutEngine):
                 ready = [s for s in samples if s.active and not s.waiting]
                 if not ready:  # every unfinished sample waits on a call: wait for one
                     running = [f for s in samples for f in s.waiting]
-                    if running:
-                        wait(running, return_when=FIRST_COMPLETED)
+                    wait(running, return_when=FIRST_COMPLETED)
                     continue
                 self._turn(ready, replace(params, seed=round_seed(params.seed, calls)), pool)
                 calls += 1
