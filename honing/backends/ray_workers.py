@@ -2,7 +2,8 @@
 the policy, or vLLM in the actor under ``rollout.engine=vllm``; in the turn loop of
 ``rollout.tools`` when the run has tools) behind
 ``RayRolloutEngine``, and reward workers (each the run's own scorer) behind ``RayScorer``;
-both are pools (``ray_pools``).
+both are pools (``ray_pools``). With ``pipeline.autoscale_max`` the rollout workers' target
+follows the steps' waits (``autoscale``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from honing.backends.autoscale import autoscaler_for
 from honing.backends.ray_pools import Report, _Pool, _Worker
 from honing.config import Config
 from honing.models.loading import load_tokenizer, resolve_device
@@ -95,6 +97,9 @@ class RayRolloutEngine(_Pool, RolloutEngine):
         self.computes_here = False
         self.model_dir, self.chunk = str(model_dir), settings.rollout_chunk
         self._latest = None  # (version, the ObjectRefs of its buckets)
+        self.autoscaler = autoscaler_for(config)  # None: the count is the control's alone
+        if self.autoscaler is not None:
+            report.gauges["ray/rollout_workers_target"] = float(self.autoscaler.workers)
         self.reconcile(quiet=True)
 
     def _actor_args(self) -> tuple:
@@ -106,6 +111,32 @@ class RayRolloutEngine(_Pool, RolloutEngine):
 
     def detached_copy(self) -> RayRolloutEngine:
         return self  # the workers hold their own models
+
+    def step_done(self, metrics: dict[str, float]) -> None:
+        """``pipeline.autoscale_max`` > 0: the step's waits may change the control actor's
+        target (``autoscale``), which the pool meets before its next task. A target that
+        someone else set meanwhile (``honing scale``) overrides it: the autoscaler stops for
+        the rest of the run."""
+        if self.autoscaler is None:
+            return
+        target = self._target()
+        if target != self.autoscaler.workers:
+            self.report.event(
+                "autoscale_overridden", target=target, autoscaled=self.autoscaler.workers
+            )
+            self.autoscaler = None
+            return
+        change = self.autoscaler.observe(metrics)
+        if change is None:
+            return
+        ray.get(self.control.set.remote(change.after, None))
+        self.report.gauges["ray/rollout_workers_target"] = float(change.after)
+        self.report.event(
+            "rollout_workers_autoscaled",
+            before=change.before,
+            after=change.after,
+            reason=change.reason,
+        )
 
     def load_weights(self, version: int, weights: WeightBuckets | None = None) -> None:
         """Puts the weights in Ray's object store, one object per bucket as it comes (a host

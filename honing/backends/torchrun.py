@@ -338,6 +338,9 @@ class SpreadEngine(RolloutEngine):
     def detached_copy(self) -> RolloutEngine:
         return self.local.detached_copy()
 
+    def step_done(self, metrics: dict[str, float]) -> None:
+        self.local.step_done(metrics)
+
     def generate(self, requests: list[GenerationRequest], params: SamplingParams):
         tasks = chunked(requests, params, self.chunk, by_index=self.local.seeds_by_index)
         leader = self.leader

@@ -146,7 +146,7 @@ PATTERNS = tuple(
         r"val/(pass|mean)@\d+",
         r"moe/layer\d+/(load_violation|router_entropy)",
         r"memory/peak_\w+_gb",
-        r"ray/\w+_workers",
+        r"ray/\w+_workers(_target)?",  # live workers; the autoscaler's target
         r"val/spec_\w+",  # speculation while validating
         r"partial/\w+",  # partial rollouts (schedule.partial_rollout)
         r"tool/\w+",  # multi-turn rollouts with tools (rollout.tools)

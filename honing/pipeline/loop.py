@@ -85,6 +85,7 @@ class TrainLoop:
                 if last or (cfg.val_every and step % cfg.val_every == 0):
                     metrics |= self._validate(step)
                 metrics |= self.checkpoints.mirror_metrics()  # uploads that ended meanwhile
+                self.parts.engine.step_done(metrics)  # e.g. Ray's workers scale by its waits
                 self.logger.log_metrics(step, metrics)
                 decision = alerting.after_step(step, metrics)
                 if decision is not None:

@@ -102,7 +102,8 @@ class RolloutEngine(ABC):
     sample on another thread while the trainer's module changes (itself, for engines in other
     processes). ``take_report`` hands over the metrics and events of the calls since the last
     take; ``regenerated`` counts samples generated again after a worker or server failed;
-    ``close`` releases connections and workers.
+    ``step_done`` hands over each training step's metrics; ``close`` releases connections and
+    workers.
 
     ``computes_here``: it generates with this process's own compute (honing's engine, vLLM
     in process), so that under torchrun every rank's engine can take a share of a call; not
@@ -137,6 +138,13 @@ class RolloutEngine(ABC):
 
     def take_report(self) -> EngineReport:
         return {}, []
+
+    def step_done(self, metrics: dict[str, float]) -> None:
+        """A training step's finished metrics (its timings among them), handed over by the
+        loop once a step ends: an engine may adjust itself for the next steps (the Ray
+        backend's rollout workers scale with where the step waited). Nothing by default; a
+        wrapper hands them to the engine it wraps."""
+        return None
 
     def close(self) -> None:
         return None

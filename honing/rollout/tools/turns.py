@@ -128,6 +128,9 @@ class ToolEngine(RolloutEngine):
     def detached_copy(self) -> ToolEngine:
         return ToolEngine(self.inner.detached_copy(), self.tokenizer, self.settings, self.tools)
 
+    def step_done(self, metrics: dict[str, float]) -> None:
+        self.inner.step_done(metrics)
+
     def close(self) -> None:
         self.inner.close()
 
