@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from honing.errors import RunStopped, Terminated, UserError
+from honing.errors import ProcessLost, RunStopped, Terminated, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"honing: error: {err}\n")
         sys.stderr.flush()
         return 2
-    except RunStopped as stop:
+    except (RunStopped, ProcessLost) as stop:
         print(f"honing: {stop}", file=sys.stderr)
         return stop.exit_status
     except KeyboardInterrupt as stop:

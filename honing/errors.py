@@ -28,6 +28,14 @@ class RunStopped(Exception):
     exit_status = 3
 
 
+class ProcessLost(Exception):
+    """A process of the run died under it (a Ray trainer actor whose node was lost): a
+    crash, said in one line with exit status 1, which ``--max-restarts`` restarts from the
+    newest checkpoint."""
+
+    exit_status = 1
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what schedulers, Kubernetes and torchrun send), raised in the main thread so
     the run ends as after Ctrl-C: a save in progress is abandoned and its temporary directory

@@ -47,6 +47,7 @@ ONE_WORKER = {
     "tests/pipeline/test_ray_backend.py": "ray",
     "tests/pipeline/test_ray_placement.py": "ray",
     "tests/pipeline/test_ray_autoscale.py": "ray",
+    "tests/pipeline/test_ray_trainers.py": "ray",
     "tests/rollout/test_openai_engine.py": "rollout-servers",
     "tests/rollout/test_vllm_server.py": "vllm-server",
     "tests/monitor/test_trackers_e2e.py": "trackers",

@@ -122,9 +122,19 @@ def leave(group, wait: bool) -> None:
     time.sleep(0.1)
 
 
-def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
+def train_ranks(
+    config: Config,
+    run_dir: Path,
+    resume: str,
+    log,
+    build: Callable[..., Components] = build_components,
+    own_process: bool = True,
+) -> dict:
     """The run on this rank: rank 0 trains as one process would, with the others as its
-    peers; the others follow it. Returns rank 0's summary ({} elsewhere)."""
+    peers; the others follow it. Returns rank 0's summary ({} elsewhere). ``build``: how
+    this rank's parts are made (the Ray backend's trainer actors swap in their pools);
+    ``own_process``: a follower that ended well exits here (torchrun's ranks; a Ray actor's
+    process is its owner's to end)."""
     rank, _ = world()
     prepared = prepare(config, run_dir, resume) if rank == 0 else None
     group = parts = None
@@ -134,7 +144,7 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
         group = init(resolve_device(config.model.device), alone=offloads_alone(config))
         check_same_config(config, group)
         quiet = rank != 0  # rank 0 says what the build found (the others find the same)
-        parts = build_components(config, log=(lambda message: None) if quiet else log, group=group)
+        parts = build(config, log=(lambda message: None) if quiet else log, group=group)
         result, ended_well = {}, True
         if rank != 0:
             ended_well = follow(parts, group, config)  # rank 0 logs and writes
@@ -147,7 +157,7 @@ def train_ranks(config: Config, run_dir: Path, resume: str, log) -> dict:
         done, parts = parts, None
         close(done)
         leave(group, wait=False)
-        if rank != 0 and ended_well:  # a follower has nothing left to write
+        if rank != 0 and ended_well and own_process:  # a follower has nothing left to write
             exit_now()
         return result
     finally:

@@ -313,6 +313,7 @@ class PipelineConfig:
     # workers are Ray actors (honing/backends/ray_run.py), on a local or existing cluster.
     backend: str = _opt("local", choices=("local", "ray"))
     ray_address: str = _opt("")  # "" = start a local Ray instance; "auto" or host:port = join
+    trainer_workers: int = _opt(1, ge=1)  # ray: trainer actors, data parallel (torch.distributed)
     rollout_workers: int = _opt(2, ge=1)  # ray: actors sampling with the policy's weights
     reward_workers: int = _opt(1, ge=0)  # ray: actors scoring (0 = score in the trainer)
     rollout_chunk: int = _opt(4, ge=1)  # ray, torchrun: prompts per rollout task
@@ -322,6 +323,12 @@ class PipelineConfig:
     rollout_cpus: float = _opt(1.0, ge=0)
     rollout_gpus: float = _opt(0.0, ge=0)
     reward_cpus: float = _opt(1.0, ge=0)
+    rollout_resources: str = _opt("")  # ray: custom resources a rollout worker asks, "spot=1,..."
+    # ray: 0 = rollout workers stay at rollout_workers; N = they scale between autoscale_min
+    # and N by where the step waited (honing/backends/autoscale.py)
+    autoscale_max: int = _opt(0, ge=0)
+    autoscale_min: int = _opt(1, ge=1)
+    autoscale_patience: int = _opt(2, ge=1)  # steps a wait must last before workers change
     placement: str = _opt("pack", choices=("pack", "spread"))  # ray: actors packed or spread
     actor_start_timeout_s: float = _opt(300.0, gt=0)  # ray: then an unplaceable actor is an error
 

@@ -1,9 +1,10 @@
 """What combines with what: honing's features two by two, as ``pipeline/rules.py`` decides.
 
 A feature is what turning it on means: config overrides (``section.key=value``, as ``honing
-train`` takes them) and the number of torchrun ranks it is launched with. A pair runs with
-both features' overrides on ``BASE`` at the larger rank count, and its verdict is what
-``check_config`` says of that config: nothing (the pair combines) or its one-line refusal.
+train`` takes them) and the number of torchrun ranks it is launched with (under Ray, trainer
+actors). A pair runs with both features' overrides on ``BASE`` at the larger rank count, and
+its verdict is what ``check_config`` says of that config: nothing (the pair combines) or its
+one-line refusal.
 The table in docs/compatibility.md is ``table()``, written by ``python -m
 honing.pipeline.compatibility --write``; nothing here keeps a rule of its own. What is
 checked only once the model has loaded (the model's family, its heads) is not in it.
@@ -61,10 +62,15 @@ def clash(a: Feature, b: Feature) -> str | None:
 
 
 def config_for(*features: Feature) -> tuple[Config, int]:
-    """``BASE`` with every feature's overrides on top, and the ranks the largest asks."""
+    """``BASE`` with every feature's overrides on top, and the torchrun ranks the largest
+    asks; under Ray those ranks are trainer actors (``pipeline.trainer_workers``)."""
     overrides = [*BASE, *(item for feature in features for item in feature.overrides)]
     world_size = max((feature.world_size for feature in features), default=1)
-    return build_config(parse_overrides(overrides)), world_size
+    values = parse_overrides(overrides)
+    if values.get("pipeline.backend") == "ray" and world_size > 1:
+        values["pipeline.trainer_workers"] = world_size
+        world_size = 1
+    return build_config(values), world_size
 
 
 def verdict(*features: Feature) -> str | None:

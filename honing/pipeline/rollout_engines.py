@@ -133,7 +133,9 @@ def build_rollout_engines(
     (``choose_engine``; where nothing chose, honing's engine)."""
     rollout = config.rollout
     local = local_engine(config, sampler, tokenizer, device, holds)
-    if rollout.engine == "vllm":
+    if config.pipeline.backend == "ray" and rollout.engine != "openai":
+        engine = local  # the rollout workers hold the engine (the Ray backend swaps them in)
+    elif rollout.engine == "vllm":
         weights = trainer.weights(plain_weight_items)
         engine = vllm_engine(config, local, model_path, device, weights, trainer.world_size)
     elif rollout.engine == "openai":

@@ -38,6 +38,8 @@ def check_config(config: Config, world_size: int = 1) -> None:
     for check in checks:
         check(config)
     _backend(config, world_size)
+    if config.pipeline.backend == "ray":  # the trainer actors are the ranks
+        world_size = config.pipeline.trainer_workers
     _sequence_parallel(config, world_size)
     _ranks(config, world_size // config.trainer.sequence_parallel)
     _vllm(config, world_size)
@@ -229,18 +231,17 @@ def _partial(config: Config) -> None:
 
 def _strategy(config: Config) -> None:
     """What the sharded strategy does not take yet: dynamic offload (it moves what FSDP
-    owns), Ray's trainer actor (one process)."""
+    owns)."""
     if config.trainer.strategy != "fsdp":
         for key in ("param_offload", "optimizer_offload"):
             if getattr(config.memory, key):
                 raise ConfigError(f"memory.{key} applies to trainer.strategy=fsdp")
         return
-    for unsupported, key in (
-        (config.memory.dynamic_offload, "memory.dynamic_offload (use memory.param_offload)"),
-        (config.pipeline.backend == "ray", "pipeline.backend=ray"),
-    ):
-        if unsupported:
-            raise ConfigError(f"{key} is not supported with trainer.strategy=fsdp yet")
+    if config.memory.dynamic_offload:
+        raise ConfigError(
+            "memory.dynamic_offload (use memory.param_offload) is not supported with "
+            "trainer.strategy=fsdp yet"
+        )
 
 
 def _routing(config: Config) -> None:
@@ -320,10 +321,11 @@ def _ranks(config: Config, world_size: int) -> None:
     if world_size <= 1:
         return
     r, mini = config.rollout, config.trainer.mini_batch_size
+    ranks = "trainer actors" if config.pipeline.backend == "ray" else "torchrun ranks"
     if config.algorithm.dynamic_sampling and r.group_size < world_size:
         raise ConfigError(
             f"algorithm.dynamic_sampling may train a batch of one group, whose rollout."
-            f"group_size={r.group_size} sequences {world_size} torchrun ranks cannot share; "
+            f"group_size={r.group_size} sequences {world_size} {ranks} cannot share; "
             f"raise rollout.group_size to {world_size} or run at most {r.group_size} ranks"
         )
     if not mini or mini >= r.batch_size:  # the whole batch in one mini-batch
@@ -337,7 +339,7 @@ def _ranks(config: Config, world_size: int) -> None:
         raise ConfigError(
             f"a mini-batch of {smallest} sequences (rollout.batch_size={r.batch_size}, "
             f"group_size={r.group_size}, trainer.mini_batch_size={mini}) cannot be shared by "
-            f"{world_size} torchrun ranks; {fix}, or run at most {smallest} ranks"
+            f"{world_size} {ranks}; {fix}, or run at most {smallest} ranks"
         )
 
 
@@ -349,27 +351,71 @@ def _sequence_parallel(config: Config, world_size: int) -> None:
     if n == 1:
         return
     key = f"trainer.sequence_parallel={n}"
+    ray = config.pipeline.backend == "ray"
+    ranks = "trainer actors" if ray else "torchrun ranks"
+    launch = (
+        f"set pipeline.trainer_workers={n}" if ray else f"launch with torchrun --nproc_per_node {n}"
+    )
     if world_size <= 1:
         raise ConfigError(
-            f"{key} needs torchrun ranks to share each sequence; launch with torchrun "
-            f"--nproc_per_node {n} (or a multiple), or set trainer.sequence_parallel=1"
+            f"{key} needs {ranks} to share each sequence; {launch} (or a multiple), or set "
+            "trainer.sequence_parallel=1"
         )
     if world_size % n:
         raise ConfigError(
-            f"{key}: {world_size} torchrun ranks do not split into groups of {n}; launch a "
-            f"multiple of {n} ranks"
+            f"{key}: {world_size} {ranks} do not split into groups of {n}; {launch} or a "
+            "multiple of it"
         )
 
 
+def custom_resources(text: str) -> dict[str, float]:
+    """``pipeline.rollout_resources`` as Ray takes it: ``"spot=1,zone_a=0.5"`` ->
+    ``{"spot": 1.0, "zone_a": 0.5}``; a ``ConfigError`` naming the piece that is not
+    ``NAME=AMOUNT`` with a positive amount."""
+    out: dict[str, float] = {}
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        name, _, amount = piece.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not name.strip() or value <= 0 or name.strip() in ("CPU", "GPU", "memory"):
+            raise ConfigError(
+                f"pipeline.rollout_resources: {piece!r} is not NAME=AMOUNT with a custom "
+                "resource's name and an amount > 0 (e.g. spot=1; CPUs and GPUs have "
+                "pipeline.rollout_cpus / rollout_gpus)"
+            )
+        out[name.strip()] = value
+    return out
+
+
 def _backend(config: Config, world_size: int) -> None:
-    """``pipeline.backend=ray``: one trainer actor, its rollout workers running honing's
-    engine or vLLM (``rollout.engine=vllm``), or the servers it samples from."""
-    if config.pipeline.backend != "ray":
+    """``pipeline.backend=ray``: ``pipeline.trainer_workers`` trainer actors, their rollout
+    workers running honing's engine or vLLM (``rollout.engine=vllm``), or the servers they
+    sample from; the ``pipeline.*`` keys only Ray reads set only with it."""
+    settings = config.pipeline
+    if settings.backend != "ray":
+        for key, default in (
+            ("trainer_workers", 1),
+            ("autoscale_max", 0),
+            ("rollout_resources", ""),
+        ):
+            if getattr(settings, key) != default:
+                raise ConfigError(f"pipeline.{key} applies to pipeline.backend=ray")
         return
     if world_size > 1:
         raise ConfigError(
-            "pipeline.backend=ray does not run under torchrun; start one process "
-            "(the trainer actor holds the trainer)"
+            "pipeline.backend=ray does not run under torchrun; start one process and set "
+            "pipeline.trainer_workers=N for N trainer ranks"
+        )
+    custom_resources(settings.rollout_resources)
+    if settings.autoscale_max and not (
+        settings.autoscale_min <= settings.rollout_workers <= settings.autoscale_max
+    ):
+        raise ConfigError(
+            f"pipeline.autoscale_max={settings.autoscale_max}: the rollout workers scale "
+            f"between pipeline.autoscale_min={settings.autoscale_min} and it, starting at "
+            f"pipeline.rollout_workers={settings.rollout_workers}, which must lie between them"
         )
 
 
@@ -412,6 +458,11 @@ def _tensor_parallel(config: Config, world_size: int) -> None:
     if n == 1:
         return
     key = f"rollout.tensor_parallel={n}"
+    if config.pipeline.backend == "ray":
+        raise ConfigError(
+            f"{key} shares vLLM between torchrun ranks; under pipeline.backend=ray each "
+            "rollout worker holds a whole engine: set rollout.tensor_parallel=1"
+        )
     if config.rollout.engine != "vllm":
         raise ConfigError(
             f"{key} applies to rollout.engine=vllm (vLLM in each torchrun rank); start servers "

@@ -344,9 +344,9 @@ def test_an_error_in_the_trainer_actor_comes_back_as_raised(
     with pytest.raises(UserError, match="nowhere.py"):  # raised in the actor, as it was
         train(config, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()  # nothing half-written
-    sharded = replace(config, trainer=replace(config.trainer, strategy="fsdp"))
-    with pytest.raises(ConfigError, match="trainer.strategy=fsdp"):
-        train(sharded, tmp_path / "bad")
+    shared = replace(config, rollout=replace(config.rollout, tensor_parallel=2))
+    with pytest.raises(ConfigError, match="tensor_parallel=2 shares vLLM between torchrun"):
+        train(shared, tmp_path / "bad")  # refused before Ray starts
 
 
 def test_an_unplaceable_trainer_says_what_it_asked_for(
