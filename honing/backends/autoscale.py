@@ -10,7 +10,9 @@ generation time is inversely proportional to the number of workers (each takes w
   ``timing_s/trainer_idle`` above ``WAIT_FRACTION`` of the step (``timing_s/step``). Under
   ``sync`` the trainer always waits while the batch is generated, and the rollout workers
   always wait through the trainer's work on it (``timing_s/prepare`` + ``timing_s/update``):
-  grow while generation (``timing_s/gen``) takes longer than that work.
+  grow while generation (``timing_s/gen``) takes longer than that work. A step in which the
+  trainer waited counts for growth even if generation waited too (a long tail makes both
+  wait in turn): the trainer's wait is the one that costs the step time.
 - **Shrink** when generation waited for the trainer so long that one worker fewer would still
   keep up: under ``one_step|async``, ``timing_s/engine_idle`` (generation held back by
   admission) above 1/N of the step with N workers (and above ``WAIT_FRACTION``); under
