@@ -78,7 +78,12 @@ from honing.backends.ray_pools import (
     _cause,
     _first_line,
 )
-from honing.backends.ray_workers import RayRolloutEngine, RayScorer, RewardPool
+from honing.backends.ray_workers import (
+    RayRolloutEngine,
+    RayScorer,
+    RewardPool,
+    turns_on_workers,
+)
 from honing.backends.torchrun import train_ranks
 from honing.config import Config, PipelineConfig
 from honing.errors import ConfigError, ProcessLost
@@ -86,6 +91,7 @@ from honing.pipeline.components import Components, build_components
 from honing.pipeline.run import stderr_log, train_here
 from honing.pipeline.weight_sync import rollout_weights
 from honing.rollout.base import Holding, RolloutEngine
+from honing.rollout.tools.turns import with_tools
 
 
 def connect(settings: PipelineConfig) -> bool:
@@ -428,6 +434,8 @@ def attach(config: Config, parts: Components, model_dir: Path) -> Components:
         control, rid = _SESSION["control"], _SESSION["run_id"]
         engine = RayRolloutEngine(config, model_dir, control, rid, report)
         engine.load_weights(0, rollout_weights(parts, engine))
+        if config.rollout.tools and not turns_on_workers(config):
+            engine, _ = with_tools(engine, engine, parts.tokenizer, config.rollout)
     scorer = parts.scorer
     if config.pipeline.reward_workers:
         rewards = RewardPool(config, _SESSION["control"], _SESSION["run_id"], report)

@@ -18,6 +18,7 @@ from honing.config import Config
 from honing.models.loading import load_tokenizer, resolve_device
 from honing.pipeline.inputs import build_scorer
 from honing.pipeline.rollout_engines import frozen_model, local_engine, vllm_engine
+from honing.pipeline.rules import custom_resources
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,
@@ -48,7 +49,7 @@ class RolloutWorker:
         self.engine = self.local  # with rollout.tools: the turn loop runs here, beside it
         if config.rollout.engine == "vllm":  # vLLM in this actor: the first task's weights
             self.engine = vllm_engine(config, self.local, Path(model_dir), device)
-        if config.rollout.tools:
+        if turns_on_workers(config):
             from honing.rollout.tools.turns import with_tools
 
             self.engine, _ = with_tools(self.engine, self.engine, tokenizer, config.rollout)
@@ -84,6 +85,14 @@ class RolloutWorker:
         return rollouts, self.engine.take_report()
 
 
+def turns_on_workers(config: Config) -> bool:
+    """Whether the rollout workers run ``rollout.tools``' turn loop beside their engines. Not
+    with ``schedule.partial_rollout``: a sample continued by turns and by chunks keeps its
+    turns in one place, the trainer's turn loop, whose every turn the workers sample (a
+    chunk may go to any worker)."""
+    return bool(config.rollout.tools) and not config.schedule.partial_rollout
+
+
 class RayRolloutEngine(_Pool, RolloutEngine):
     """A ``RolloutEngine`` over rollout-worker actors (``honing.backends.ray_run``)."""
 
@@ -92,6 +101,8 @@ class RayRolloutEngine(_Pool, RolloutEngine):
     def __init__(self, config: Config, model_dir: Path, control, rid: str, report: Report):
         settings = config.pipeline
         resources = {"num_cpus": settings.rollout_cpus, "num_gpus": settings.rollout_gpus}
+        if wanted := custom_resources(settings.rollout_resources):  # e.g. spot nodes' label
+            resources["resources"] = wanted
         super().__init__(config, control, rid, report, RolloutWorker, resources)
         RolloutEngine.__init__(self, Holding.REMOTE)  # the workers' models, elsewhere
         self.computes_here = False

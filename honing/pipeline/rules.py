@@ -195,12 +195,6 @@ def _partial(config: Config) -> None:
         )
     for unsupported, key, why in (
         (
-            config.pipeline.backend == "ray" and bool(config.rollout.tools),
-            "pipeline.backend=ray and rollout.tools",
-            "the turn loop keeps a sample's turns in the worker that ran its last chunk, and "
-            "the next chunk may go to another",
-        ),
-        (
             config.pipeline.backend == "ray" and keep,
             "pipeline.backend=ray and schedule.partial_kv=keep",
             "a sample's kept cache is in the worker that ran its last chunk, and the next "

@@ -182,10 +182,7 @@ def test_a_resume_mid_run_neither_loses_nor_doubles_a_prompt(tmp_path, digit_rew
             "applies to schedule.partial_rollout=true",
         ),
         ({"pipeline.backend": "ray"}, None),
-        (
-            {"pipeline.backend": "ray", "rollout.tools": ["calculator"]},
-            "not supported with pipeline.backend=ray and rollout.tools",
-        ),
+        ({"pipeline.backend": "ray", "rollout.tools": ["calculator"]}, None),
         (
             {"pipeline.backend": "ray", "schedule.partial_kv": "keep"},
             "not supported with pipeline.backend=ray and schedule.partial_kv=keep",

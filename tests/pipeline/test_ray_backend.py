@@ -428,7 +428,8 @@ def test_workers_run_the_turn_loop_and_the_partial_pool_samples_through_them(
     """rollout.tools under Ray: each rollout worker runs the calculator's turn loop beside its
     engine, and their tool metrics reach the step's. schedule.partial_rollout under Ray: the
     producer's pool continues its samples chunk by chunk through the workers, the newest
-    weights loaded between chunks. Every sample is accounted for in both."""
+    weights loaded between chunks. Both at once: the trainer runs the turn loop, each turn's
+    chunks sampled by the workers. Every sample is accounted for in each."""
     accounted = ("samples/trained", "samples/filtered", "samples/failed", "samples/stale")
     tools = {"rollout.tools": ["calculator"], "rollout.max_new_tokens": 12}
     partial = {"schedule.mode": "async", "schedule.partial_rollout": True}
@@ -436,6 +437,7 @@ def test_workers_run_the_turn_loop_and_the_partial_pool_samples_through_them(
     for name, model_dir, overrides in (
         ("tools", tagged_model_dir, tools),
         ("partial", micro_model_dir, partial),
+        ("both", tagged_model_dir, tools | partial),
     ):
         values = {"pipeline.backend": "ray", "pipeline.rollout_workers": 2}
         values |= {"trainer.total_steps": 2, "trainer.val_at_start": False} | overrides
@@ -445,9 +447,11 @@ def test_workers_run_the_turn_loop_and_the_partial_pool_samples_through_them(
         assert len(steps) == 2, name
         for m in steps:
             assert m["samples/generated"] == sum(m[k] for k in accounted) > 0, m
+            if name != "partial":
+                assert m["tool/samples"] > 0, m
             if name == "tools":
                 assert m["tool/samples"] == m["samples/generated"]
-            else:
+            if name != "tools":
                 assert "partial/carried_samples" in m
 
 
