@@ -40,6 +40,10 @@ def truncated_importance_weights(
     return weights.clamp(max=cap) * mask
 
 
+# The metrics of ``mismatch_metrics`` that are maxima (the others are means over tokens).
+GAP_PEAKS = frozenset({"rollout_mismatch/prob_diff_max", "rollout_mismatch/logprob_diff_max"})
+
+
 def mismatch_metrics(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> dict:
     """Size of the engine/trainer gap over response tokens (detached scalar tensors).
 

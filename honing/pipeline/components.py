@@ -135,6 +135,15 @@ def builtin_tiny_model(directory: Path, log=print, spec: TinySpec = TINY) -> Pat
     return build_tiny_model(directory, corpus, spec, log=log)
 
 
+def tis_level(config: Config) -> str:
+    """``algorithm.tis_level`` with ``auto`` resolved: token-level truncated importance
+    sampling when rollouts come from an older policy version (one_step / async), else none."""
+    level = config.algorithm.tis_level
+    if level == "auto":
+        return "none" if config.schedule.mode == "sync" else "token"
+    return level
+
+
 def update_settings(config: Config) -> UpdateSettings:
     algo, trainer = config.algorithm, config.trainer
     return UpdateSettings(
@@ -157,6 +166,8 @@ def update_settings(config: Config) -> UpdateSettings:
         packed=trainer.packed_forward,
         router_aux_coef=algo.router_aux_coef,
         router_z_coef=algo.router_z_coef,
+        tis_level=tis_level(config),
+        tis_cap=algo.tis_cap,
     )
 
 

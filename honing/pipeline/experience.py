@@ -3,7 +3,8 @@
 The stage between scoring and the update in docs/design.md's data flow. In order:
 1. collate the rollouts ([N, P + R] inputs, [N, R] response tensors);
 2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``) and the pre-update
-   policy (when several optimizer steps follow, for TIS, or for a KL reward penalty);
+   policy (when several optimizer steps follow, or for a KL reward penalty; for one optimizer
+   step the update's own forward gives them, and TIS and the engine/trainer gap with them);
 3. with ``kl_in_reward``, each token's reward is ``-beta * KL`` and the score sits on the last
    token; the group estimators see the summed token rewards as the score;
 4. advantages by the configured estimator, with its settings passed explicitly;
@@ -21,7 +22,7 @@ from honing.algorithms import get_advantage, kl_penalty, masked_mean
 from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
 from honing.config import Config
 from honing.models.loading import is_lora
-from honing.pipeline.components import Components
+from honing.pipeline.components import Components, tis_level
 from honing.pipeline.peers import Alone, Op, Peers
 from honing.rollout.base import Holding
 from honing.trainer.batch import RouterTap, TrainBatch, collate
@@ -39,29 +40,31 @@ class Experience:
     metrics: dict[str, float]
     old_values: torch.Tensor | None = None  # [N, R] the critic's values before its update
     returns: torch.Tensor | None = None  # [N, R] the critic's targets
+    # the update's forward weighs the rollouts (TIS, rollout_mismatch/*): no old pass ran
+    gap_in_update: bool = False
 
 
-def tis_level(config: Config) -> str:
-    """``algorithm.tis_level`` with ``auto`` resolved: token-level truncated importance
-    sampling when rollouts come from an older policy version (one_step / async), else none."""
-    level = config.algorithm.tis_level
-    if level == "auto":
-        return "none" if config.schedule.mode == "sync" else "token"
-    return level
+def weighs_rollouts(config: Config, parts: Components) -> bool:
+    """Whether each batch's rollouts are weighed against the policy before the update: for
+    TIS, and whenever the engine samples with weights of its own (another process, vLLM, a
+    copy): the gap between its logprobs and the trainer's is then logged every step
+    (``rollout_mismatch/*``), so a broken weight sync shows in every run's metrics."""
+    return parts.engine.holds is not Holding.SHARED or tis_level(config) != "none"
 
 
-def needs_old_logprobs(config: Config, parts: Components, batch_size: int) -> bool:
-    """Whether the trainer computes the policy's logprobs before the update: for TIS, a KL
-    reward penalty, several optimizer steps per batch, and whenever the engine samples with
-    weights of its own (another process, vLLM, a copy): the gap between its logprobs and the
-    trainer's is then logged every step (``rollout_mismatch/*``), so a broken weight sync
-    shows in every run's metrics."""
+def needs_old_logprobs(
+    config: Config, parts: Components, batch_size: int, policy_acts: bool = True
+) -> bool:
+    """Whether the trainer runs a pass for the policy's logprobs before the update: for a KL
+    reward penalty, for several optimizer steps per batch (each after the first needs the
+    policy as it sampled), and to weigh the rollouts (``weighs_rollouts``) when the policy
+    does not update this step (a critic's warm-up). Otherwise one optimizer step's own
+    forward, before the step, gives those logprobs (``UpdateSettings.gap``)."""
     algo = config.algorithm
     return (
-        parts.engine.holds is not Holding.SHARED
-        or tis_level(config) != "none"
-        or (algo.kl_in_reward and algo.kl_coef > 0)
+        (algo.kl_in_reward and algo.kl_coef > 0)
         or parts.update_settings.optimizer_steps_per_batch(batch_size) > 1
+        or (weighs_rollouts(config, parts) and not policy_acts)
     )
 
 
@@ -141,9 +144,11 @@ def make_experience(
     rewards: list[float],
     baselines: dict[int, float] | None = None,
     peers: Peers | None = None,
+    policy_acts: bool = True,
 ) -> Experience:
     """``peers``: the run's other processes, which take part in the passes without gradient
-    when the modules are sharded over them."""
+    when the modules are sharded over them; ``policy_acts``: the policy updates on this
+    batch (not during a critic's warm-up)."""
     algo = config.algorithm
     batch = collate(rollouts, parts.tokenizer.pad_token_id, parts.device)
     mask = batch.response_mask
@@ -157,7 +162,7 @@ def make_experience(
     wanted = Passes(
         reference=parts.reference is not None or (algo.kl_coef > 0 and is_lora(parts.policy)),
         values=parts.trainers.critic is not None,
-        old=needs_old_logprobs(config, parts, len(batch)),
+        old=needs_old_logprobs(config, parts, len(batch), policy_acts),
         record_routing=algo.routing_replay == "R2",
     )
     with (peers or Alone()).together(Op.FORWARD, (batch, wanted)):
@@ -208,7 +213,10 @@ def make_experience(
                 level=tis_level(config),
                 cap=algo.tis_cap,
             )
-    return Experience(batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns)
+    gap_in_update = old_logprobs is None and weighs_rollouts(config, parts)
+    return Experience(
+        batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns, gap_in_update
+    )
 
 
 def _advantages(config, parts, scores, token_rewards, batch, rollouts, values, baseline_scores):

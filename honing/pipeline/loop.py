@@ -239,7 +239,7 @@ class TrainLoop:
         started = time.perf_counter()
         got, stages = self.schedule.take(step)  # generate, score
         if got.kept:
-            experience, prepared = self._advantages(got)
+            experience, prepared = self._advantages(got, self._policy_acts(step))
             stages |= prepared | self._update(step, experience)
         if self._policy_acts(step):
             self.parts.trainers.policy.advance_schedule()  # its schedule starts with it
@@ -272,16 +272,17 @@ class TrainLoop:
         critic = self.parts.trainers.critic
         return critic is None or step > self.config.trainer.critic_warmup_steps
 
-    def _advantages(self, got: Collected) -> tuple[Experience, dict[str, float]]:
+    def _advantages(self, got: Collected, acts: bool) -> tuple[Experience, dict[str, float]]:
         """The kept samples' experience (the passes without gradient, the advantages) and the
-        time it took; the trainer's offloaded state back on its device first."""
+        time it took; the trainer's offloaded state back on its device first. ``acts``: the
+        policy updates on it."""
         reloaded = self.offload.before_update()
         self.offload.mark()
         started = time.perf_counter()
         rollouts, rewards = [r for r, _ in got.kept], [s.reward for _, s in got.kept]
         parts = self.parts
         experience = make_experience(
-            self.config, parts, rollouts, rewards, got.baselines, self.peers
+            self.config, parts, rollouts, rewards, got.baselines, self.peers, acts
         )
         return experience, reloaded | {"timing_s/prepare": time.perf_counter() - started}
 
@@ -298,7 +299,7 @@ class TrainLoop:
             ref_logprobs=experience.ref_logprobs,
             old_values=experience.old_values,
             returns=experience.returns,
-            settings=self.parts.update_settings,
+            settings=replace(self.parts.update_settings, gap=experience.gap_in_update),
             seed=self._seed_of(step),
             act=acts,
             value_clip=self.config.algorithm.value_clip,

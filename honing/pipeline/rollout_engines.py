@@ -9,10 +9,11 @@ policy is large enough for it to pay; honing's own engine otherwise.
 Measured side by side on a 2-core CPU (benchmarks/results/vllm_speed.md, vllm_step.md):
 honing's engine generated about twice as fast as vLLM on a 0.87M-parameter model (vLLM's
 per-step scheduling costs more than such a model's arithmetic); vLLM generated faster from
-~40M parameters up (2.2-2.7x at 0.5B). But an engine with weights of its own costs the trainer
-a logprob pass per batch (the engine/trainer gap is logged every step), and on a CPU that
-forward pass costs more than vLLM saves: a step of the ~47M model took 32.8 s with vLLM
-against 29.0 s with honing's engine. On a GPU generation is most of a step and vLLM's lead is
+~40M parameters up (2.2-2.7x at 0.5B). But an engine with weights of its own cost the trainer
+a logprob pass per batch then (for the engine/trainer gap logged every step, which one
+optimizer step per batch now takes from the update's forward), and on a CPU that forward
+pass cost more than vLLM saved: a step of the ~47M model took 32.8 s with vLLM against
+29.0 s with honing's engine. On a GPU generation is most of a step and vLLM's lead is
 larger (paged attention, CUDA graphs), so there it is taken from 20M parameters. The choice is
 made once, before the run's config is checked; for a model that large it is said in one line
 (below that, honing's engine is taken without a word).

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
+from honing.algorithms.mismatch import GAP_PEAKS, mismatch_metrics, truncated_importance_weights
 from honing.models.moe import routers_of
 from honing.models.moe_stats import RouterStats, host_sums, moe_metrics, router_z_loss
 from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
@@ -47,6 +48,13 @@ class UpdateSettings:
     packed: bool = True  # prompts once per group, no padding, where the model allows
     router_aux_coef: float = 0.0  # MoE: the family's load-balancing loss
     router_z_coef: float = 0.0  # MoE: the router z-loss
+    # One optimizer step per batch: the update's forward, before the step, is the policy the
+    # rollouts are weighed against. ``gap``: that forward gives the TIS weights (``tis_level``
+    # none | token | sequence, capped at ``tis_cap``) and the rollout_mismatch metrics, in
+    # place of a separate pass for the old logprobs (``old_logprobs`` None).
+    gap: bool = False
+    tis_level: str = "none"
+    tis_cap: float = 2.0
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
@@ -113,11 +121,15 @@ def micro_loss(
     # On-policy (one optimizer step per batch): the old policy is the current one, ratio = 1.
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     mask = micro.response_mask
+    share = mask.sum() / num_tokens  # this micro-batch's part of the mini-batch's tokens
+    gap = {}
+    if settings.gap and old_logprobs is None:  # the engine's logprobs against this forward's
+        advantages, gap = _weighed(advantages, old, micro.behaviour_logprobs, mask, settings)
+        gap = {k: v if k in GAP_PEAKS else v * share for k, v in gap.items()}
     loss, metrics = get_policy_loss(settings.policy_loss)(
         logprobs, old, advantages, mask, **policy_loss_options(settings), **norm
     )
-    share = mask.sum() / num_tokens  # this micro-batch's part of the mini-batch's tokens
-    out = {k: v * share for k, v in metrics.items() if k != "actor/pg_loss"}
+    out = {k: v * share for k, v in metrics.items() if k != "actor/pg_loss"} | gap
     out["actor/pg_loss"] = metrics["actor/pg_loss"]
     out["actor/entropy"] = masked_mean(entropy.detach(), mask) * share
     if settings.kl_coef > 0:
@@ -133,6 +145,18 @@ def micro_loss(
     if tap is not None and tap.logits:
         loss = loss + share * _router_losses(model, tap.logits, settings, out, share)
     return loss, out
+
+
+def _weighed(advantages, old, behaviour, mask, settings: UpdateSettings):
+    """``advantages`` with the TIS weights of ``old`` (this forward's logprobs, detached)
+    against the engine's ``behaviour`` ones, and the gap's metrics (means over this
+    micro-batch's tokens; ``GAP_PEAKS`` its maxima), as a separate old pass would give them."""
+    if settings.tis_level != "none":
+        weights = truncated_importance_weights(
+            old, behaviour, mask, level=settings.tis_level, cap=settings.tis_cap
+        )
+        advantages = advantages * weights
+    return advantages, mismatch_metrics(old, behaviour, mask)
 
 
 def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, out, share):
@@ -220,6 +244,7 @@ def update_policy(
     if not model.training:  # a module walk: only when generation left it in eval mode
         model.train()
     totals: dict[str, torch.Tensor] = {}
+    peaks: dict[str, torch.Tensor] = {}  # the engine/trainer gap's maxima (``settings.gap``)
     grad_norms = []
     optimizer_steps = skipped = 0
     routers = routers_of(model)
@@ -261,7 +286,10 @@ def update_policy(
             loss.backward()
             activations = max(activations, saved.bytes)
             for name, value in contrib.items():
-                totals[name] = totals.get(name, 0) + value
+                if name in GAP_PEAKS:
+                    peaks[name] = torch.maximum(peaks[name], value) if name in peaks else value
+                else:
+                    totals[name] = totals.get(name, 0) + value
         norm, stepped = trainer.step(settings.grad_clip)
         optimizer_steps += 1
         if stepped:
@@ -270,6 +298,8 @@ def update_policy(
             skipped += 1
     totals = trainer.reduce(totals)
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
+    if settings.gap and old_logprobs is None:  # (every rank alike: each has rows)
+        metrics |= {name: float(value) for name, value in trainer.reduce(peaks, "max").items()}
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     metrics |= split_metrics(trainer, own, micros, whole, activations, batch.input_ids.device)

@@ -279,3 +279,38 @@ def test_each_mini_batch_is_its_own_optimizer_step(model, experience):
         )
     for actual, wanted in zip(policy.parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(actual, wanted, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("micro_batch_size", [12, 5, 1])
+@pytest.mark.parametrize("level", ["none", "token", "sequence"])
+def test_the_updates_forward_weighs_the_rollouts_as_an_old_pass_does(
+    model, micro_batch_size, level
+):
+    """One optimizer step with ``gap``: the TIS weights and the engine/trainer gap come from
+    the update's own forward, micro-batch by micro-batch; the step and the metrics equal
+    those of a separate pass's old logprobs for any split (rounding only)."""
+    from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
+
+    batch, advantages, _, ref_logprobs = make_experience(model, RESPONSE_LENGTHS)
+    mask = batch.response_mask
+    with torch.no_grad():
+        old, _ = response_logprobs(model, batch)
+    noise = 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    batch = dataclasses.replace(batch, behaviour_logprobs=(old + noise) * mask)
+    settings = dataclasses.replace(
+        settings_for("token_mean", micro_batch_size), tis_level=level, tis_cap=1.5
+    )
+    weighed = advantages
+    if level != "none":
+        weighed = advantages * truncated_importance_weights(
+            old, batch.behaviour_logprobs, mask, level=level, cap=1.5
+        )
+    want, want_metrics = sgd_step(model, (batch, weighed, old, ref_logprobs), settings)
+    gap = dataclasses.replace(settings, gap=True)
+    got, metrics = sgd_step(model, (batch, advantages, None, ref_logprobs), gap)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5)
+    for key, value in mismatch_metrics(old, batch.behaviour_logprobs, mask).items():
+        assert metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-7), key
