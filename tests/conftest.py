@@ -46,6 +46,7 @@ def digit_fraction(response, ground_truth, **context):
 ONE_WORKER = {
     "tests/pipeline/test_ray_backend.py": "ray",
     "tests/pipeline/test_ray_placement.py": "ray",
+    "tests/pipeline/test_ray_nodes.py": "ray",
     "tests/pipeline/test_ray_autoscale.py": "ray",
     "tests/pipeline/test_ray_trainers.py": "ray",
     "tests/rollout/test_openai_engine.py": "rollout-servers",

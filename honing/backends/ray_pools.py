@@ -1,10 +1,20 @@
 """The Ray backend's pools: actors of one kind (rollout or reward workers) kept at the run's
 target (``Control``, which ``honing scale`` changes while training runs), started, replaced
 when they die, retired when surplus, and the tasks of a call run on whichever is free.
+
+A worker that dies is replaced (event ``{kind}_worker_replaced``). One whose node is lost (a
+spot node preempted: its raylet gone) takes the pool's other workers of that node with it:
+they are replaced together, in one event ``{kind}_node_lost`` that names the node, the
+workers lost, their replacements and the tasks that run again. Ray's GCS learns of a
+vanished node only when its health checks fail (``RAY_health_check_period_ms`` ×
+``RAY_health_check_failure_threshold``, 3 s × 5 by default), so a node counts as lost when the
+GCS says so or when its raylet refuses a connection; the replacements start once the GCS has
+marked it dead (at most ``LOST_NODE_WAIT_S``), as until then Ray would place them there.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import deque
@@ -18,6 +28,7 @@ from honing.errors import UserError
 
 NAMESPACE = "honing"  # the Ray namespace of every actor a run starts
 MAX_REPLACEMENTS = 8  # workers of a pool that may die in a row before the run stops
+LOST_NODE_WAIT_S = 60.0  # the longest wait for the GCS to mark a lost node dead
 DEAD = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
 
 
@@ -36,9 +47,15 @@ def _cause(err: RayTaskError) -> BaseException:
     return cause if isinstance(cause, BaseException) else err
 
 
-@ray.remote(num_cpus=0)
+# Ray's resource of the head node: an actor that asks for a sliver of it runs there.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+@ray.remote(num_cpus=0, resources=HEAD_NODE)
 class Control:
-    """The run's worker targets, which ``scale`` changes while training runs."""
+    """The run's worker targets, which ``scale`` changes while training runs. On the head
+    node, which a run cannot lose and go on (Ray's GCS is there): elsewhere (an actor that
+    asks for no CPU goes anywhere) a lost spot node would take it along."""
 
     def __init__(self, rollout_workers: int, reward_workers: int):
         self.targets = {"rollout_workers": rollout_workers, "reward_workers": reward_workers}
@@ -87,6 +104,39 @@ class _Worker:
     ready: object  # the ObjectRef of its ready() call, until it answered
     version: int = -1  # the weight version it was sent last
     busy: bool = False
+    node: str = ""  # the id of the node it runs on, once it has started
+
+
+def _node_of(handle) -> str:
+    """The id of the node Ray placed an actor on ("" before it is placed). From the GCS's
+    actor table (``ray.util.state`` would need the dashboard, which a run's instance lacks)."""
+    info = ray._private.state.actors(handle._actor_id.hex())
+    return (info.get("Address") or {}).get("NodeID", "") if info else ""
+
+
+def _node_lost(node_id: str) -> bool:
+    """Whether the node is gone: the GCS says so, or its raylet refuses a connection (or
+    leaves it unanswered for 2 s), which the GCS notices only after its health checks."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            if not node["Alive"]:
+                return True
+            address = (node["NodeManagerAddress"], node["NodeManagerPort"])
+            try:
+                with socket.create_connection(address, timeout=2.0):
+                    return False
+            except OSError:
+                return True
+    return True  # a node the GCS no longer lists
+
+
+def _wait_marked_dead(node_id: str, timeout_s: float) -> None:
+    """Until the GCS no longer counts the node alive (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            return
+        time.sleep(0.2)
 
 
 class _Pool:
@@ -145,27 +195,48 @@ class _Pool:
         return worker
 
     def replace_dead(self, worker: _Worker, error: BaseException) -> None:
-        """Replaces a worker that died. One that failed while loading raises its error (a
-        replacement would fail the same way), as do ``MAX_REPLACEMENTS`` deaths in a row."""
+        """Replaces a worker that died, with the pool's other workers of its node when the
+        node is lost (the module's docstring). One that failed while loading raises its error
+        (a replacement would fail the same way), as do ``MAX_REPLACEMENTS`` deaths (or lost
+        nodes) in a row. The tasks of the workers removed fail in their callers' ``run_tasks``,
+        which runs them again."""
         if getattr(error, "actor_init_failed", False):
             raise WorkersUnavailable(
                 f"a {self.kind} worker failed while starting: {_first_line(error)}"
             ) from None
         with self.lock:
-            if worker in self.workers:
-                self.workers.remove(worker)
-                ray.kill(worker.handle)  # a merely unreachable one would keep its resources
-                self._replaced_in_a_row += 1
-                if self._replaced_in_a_row > MAX_REPLACEMENTS:
-                    raise WorkersUnavailable(
-                        f"{self._replaced_in_a_row} {self.kind} workers died in a row without "
-                        f"finishing a task; the last: {_first_line(error)}"
-                    )
-                new = self._start()
+            if worker not in self.workers:
+                return  # replaced already, with its node
+            node = worker.node or _node_of(worker.handle)
+            lost = bool(node) and _node_lost(node)
+            gone = [w for w in self.workers if lost and (w.node or _node_of(w.handle)) == node]
+            gone = gone or [worker]
+            for each in gone:
+                self.workers.remove(each)
+                ray.kill(each.handle)  # a merely unreachable one would keep its resources
+            self._replaced_in_a_row += 1
+            if self._replaced_in_a_row > MAX_REPLACEMENTS:
+                raise WorkersUnavailable(
+                    f"{self._replaced_in_a_row} {self.kind} workers died in a row without "
+                    f"finishing a task; the last: {_first_line(error)}"
+                )
+            if lost:
+                _wait_marked_dead(node, LOST_NODE_WAIT_S)
+            new = [self._start().name for _ in gone]
+            if lost:
+                self.report.event(
+                    f"{self.kind}_node_lost",
+                    node=node,
+                    workers=[each.name for each in gone],
+                    new=new,
+                    tasks=sum(each.busy for each in gone),  # running there: they run again
+                    error=_first_line(error),
+                )
+            else:
                 self.report.event(
                     f"{self.kind}_worker_replaced",
                     dead=worker.name,
-                    new=new.name,
+                    new=new[0],
                     error=_first_line(error),
                 )
 
@@ -202,6 +273,7 @@ class _Pool:
             try:
                 ray.get(worker.ready)
                 worker.ready = None
+                worker.node = _node_of(worker.handle)
             except DEAD as err:
                 self.replace_dead(worker, err)
             except RayTaskError as err:  # it could not even load: that is the user's to fix

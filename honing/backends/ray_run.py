@@ -112,8 +112,9 @@ def connect(settings: PipelineConfig) -> bool:
         join(settings.ray_address, log_to_driver=True)
     except ConnectionError as err:
         raise ConfigError(
-            f"pipeline.ray_address={settings.ray_address!r}: no Ray cluster answered ({err}); "
-            "start one with `ray start --head` or leave the key empty for a local instance"
+            f"pipeline.ray_address={settings.ray_address!r}: no Ray cluster could be joined "
+            f"there ({err}); start one with `ray start --head` or leave the key empty for a "
+            "local instance"
         ) from None
     return True
 
@@ -166,14 +167,22 @@ def join(address: str, log_to_driver: bool) -> None:
     when there is one, as Ray does for ``auto`` alone: ``ray start --head`` asks for it
     whenever the file exists. Any other cluster is joined as Ray joins it (one that asks for
     a token wants ``RAY_AUTH_MODE=token`` here). Raises ``ConnectionError`` when none
-    answers."""
+    answers, or when it refuses this process's token (or the lack of one)."""
     with on_loopback():
         found = canonicalize_bootstrap_address_or_die(address)
     loopback = is_localhost((parse_address(found) or ("",))[0])
     if loopback or address == "auto":
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    with on_loopback() if loopback else contextlib.nullcontext():
-        ray.init(address=found, namespace=NAMESPACE, log_to_driver=log_to_driver)
+    try:
+        with on_loopback() if loopback else contextlib.nullcontext():
+            ray.init(address=found, namespace=NAMESPACE, log_to_driver=log_to_driver)
+    except ConnectionError as err:
+        if "InvalidAuthToken" not in str(err.__cause__):
+            raise
+        raise ConnectionError(
+            f"{err}: it asks for a token this process did not send (RAY_AUTH_MODE=token, with "
+            "the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+        ) from err
 
 
 def run_id(run_dir: Path) -> str:
