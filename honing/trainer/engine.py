@@ -309,7 +309,7 @@ class TrainedModule:
         its turn comes, every rank taking part): its state, or what ``pieces(module)``
         yields."""
         source = pieces(self.module) if pieces else self.module.state_dict().items()
-        return self.layout.gathered(source)
+        return self.layout.gathered(_untied(source))
 
     def weights(self, pieces: Pieces | None = None) -> Iterator[WeightBucket]:
         """``whole_tensors`` in buckets of at most ``bucket_bytes``, for the rollout engines
@@ -467,3 +467,19 @@ def _tensors(tree) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
     elif torch.is_tensor(tree):
         yield tree
+
+
+def _untied(pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pieces`` without a tensor that is one already given under another name (an output
+    head tied to the embeddings): every engine ties it again from its model's config, so it
+    is sent once. A sharded module's pieces are its shards, untied as they are gathered."""
+    seen = set()
+    for name, tensor in pieces:
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            yield name, tensor  # (DTensor shards: the layout's gather unties them)
+            continue
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        if where in seen:
+            continue
+        seen.add(where)
+        yield name, tensor
