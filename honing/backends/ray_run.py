@@ -35,9 +35,12 @@ Elastic: before each batch (and as tasks finish) the engine matches the number o
 the run's control actor, which ``honing scale RUN_DIR --rollout-workers N`` (or ``scale``)
 sets while training runs: new workers join once loaded (with the newest weights), surplus
 ones leave when idle. A worker that dies is replaced; its task runs on another worker and its
-samples are counted in ``samples/regenerated``. Events: ``rollout_worker_replaced``,
-``reward_worker_replaced``, ``rollout_workers_scaled``. Metrics: ``ray/rollout_workers``,
-``ray/reward_workers`` (live workers when the step's batch was taken).
+samples are counted in ``samples/regenerated``; the workers of a lost node go together
+(``ray_pools``). With ``pipeline.autoscale_max`` the engine sets the target itself from where
+each step waited (``autoscale``). Events: ``rollout_worker_replaced``, ``rollout_node_lost``,
+``reward_worker_replaced``, ``rollout_workers_scaled``, ``rollout_workers_autoscaled``.
+Metrics: ``ray/rollout_workers``, ``ray/reward_workers`` (live workers when the step's batch
+was taken).
 
 Placement: ``pipeline.placement=spread`` spreads the workers over the cluster's nodes (Ray's
 SPREAD strategy), ``pack`` lets Ray pack them. Every node must see ``model.path`` (a shared
