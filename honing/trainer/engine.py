@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from honing.models.loading import is_lora
 from honing.rollout.base import WeightBucket
 from honing.trainer.layouts import Layout, OneProcess, Replicated
 from honing.trainer.sharded import Sharded, local_bytes
@@ -309,12 +310,15 @@ class TrainedModule:
         its turn comes, every rank taking part): its state, or what ``pieces(module)``
         yields."""
         source = pieces(self.module) if pieces else self.module.state_dict().items()
-        return self.layout.gathered(_untied(source))
+        return self.layout.gathered(source)
 
     def weights(self, pieces: Pieces | None = None) -> Iterator[WeightBucket]:
         """``whole_tensors`` in buckets of at most ``bucket_bytes``, for the rollout engines
         (they copy the live tensors they get), each made when it is asked for."""
-        return buckets(self.whole_tensors(pieces), self.bucket_bytes)
+        whole = self.whole_tensors(pieces)
+        if not self.is_sharded:  # (a sharded module's gather gives a tied tensor once)
+            whole = _untied(whole, tied_names(self.module))
+        return buckets(whole, self.bucket_bytes)
 
     def load_tensors(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copies whole tensors into the module by name (this rank's shards of them when
@@ -469,17 +473,22 @@ def _tensors(tree) -> Iterator[torch.Tensor]:
         yield tree
 
 
-def _untied(pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``pieces`` without a tensor that is one already given under another name (an output
-    head tied to the embeddings): every engine ties it again from its model's config, so it
-    is sent once. A sharded module's pieces are its shards, untied as they are gathered."""
-    seen = set()
-    for name, tensor in pieces:
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            yield name, tensor  # (DTensor shards: the layout's gather unties them)
-            continue
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-        if where in seen:
-            continue
-        seen.add(where)
-        yield name, tensor
+def tied_names(module: nn.Module) -> frozenset[str]:
+    """The names under which ``module`` (or a LoRA model's base, as its plain weights are
+    named) holds a parameter it holds under an earlier name: an output head tied to the
+    embeddings."""
+    modules = [module] + ([module.get_base_model()] if is_lora(module) else [])
+    names = set()
+    for each in modules:
+        first = set()
+        for name, param in each.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                names.add(name)
+            first.add(id(param))
+    return frozenset(names)
+
+
+def _untied(pieces, tied: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pieces`` without the ``tied`` names: every engine ties them again from its model's
+    config, so a tied tensor is sent once."""
+    return ((name, tensor) for name, tensor in pieces if name not in tied)
