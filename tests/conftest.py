@@ -41,14 +41,15 @@ def digit_fraction(response, ground_truth, **context):
 
 # Modules whose tests share a costly fixture made once per module (a Ray cluster, served
 # engines, an MLflow server): under pytest-xdist all of a group's tests go to one worker, which
-# makes it once. The Ray modules are one group: one local cluster at a time. Every other test is
-# scheduled on its own.
+# makes it once. The Ray modules are two groups, each with a local cluster of its own (two run
+# at once: Ray instances on one machine are independent). Every other test is scheduled on its
+# own.
 ONE_WORKER = {
     "tests/pipeline/test_ray_backend.py": "ray",
     "tests/pipeline/test_ray_placement.py": "ray",
-    "tests/pipeline/test_ray_nodes.py": "ray",
-    "tests/pipeline/test_ray_autoscale.py": "ray",
-    "tests/pipeline/test_ray_trainers.py": "ray",
+    "tests/pipeline/test_ray_nodes.py": "ray-2",
+    "tests/pipeline/test_ray_autoscale.py": "ray-2",
+    "tests/pipeline/test_ray_trainers.py": "ray-2",
     "tests/rollout/test_openai_engine.py": "rollout-servers",
     "tests/rollout/test_vllm_server.py": "vllm-server",
     "tests/monitor/test_trackers_e2e.py": "trackers",
