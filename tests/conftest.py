@@ -47,7 +47,6 @@ def digit_fraction(response, ground_truth, **context):
 ONE_WORKER = {
     "tests/pipeline/test_ray_backend.py": "ray",
     "tests/pipeline/test_ray_placement.py": "ray",
-    "tests/pipeline/test_ray_nodes.py": "ray-2",
     "tests/pipeline/test_ray_autoscale.py": "ray-2",
     "tests/pipeline/test_ray_trainers.py": "ray-2",
     "tests/rollout/test_openai_engine.py": "rollout-servers",

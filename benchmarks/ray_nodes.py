@@ -6,7 +6,14 @@ mode). A ``honing train`` run joins the head at 127.0.0.1:P; its rollout workers
 ``spot`` and run on the spot node. The spot node is killed mid-run (its raylet, agents and
 workers at once: a preemption) and a new one joins, as a preempted spot group gets a new node.
 The run finishes, every sample accounted for, with one event naming the node and the workers
-lost with it."""
+lost with it.
+
+This is a pytest module run as a benchmark (a minute of ``ray start`` nodes, namespaces and
+health checks is past the suite's time budget; ``tests/pipeline/test_ray_placement.py`` does
+the same loss on Ray's in-process test cluster in the suite), with the suite's fixtures:
+
+    .venv/bin/python -m benchmarks.ray_nodes      # pytest -p tests.conftest on this file
+"""
 
 import contextlib
 import json
@@ -24,7 +31,7 @@ import pytest
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray")
 
-from ._configs import cli_args  # noqa: E402
+from tests.pipeline._configs import cli_args  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -290,3 +297,7 @@ def test_a_spot_node_lost_mid_run_on_loopback(loopback, tmp_path, micro_model_di
     ]
     assert len(lost["new"]) == 2
     assert 0 < regenerated == lost["tasks"] * GROUP  # its tasks (a prompt each), sampled again
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-p", "tests.conftest", "-q", "-s", "--durations=1"]))
