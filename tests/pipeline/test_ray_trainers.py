@@ -3,7 +3,6 @@ torchrun's ranks (gloo here), one placement group, rank 0 sampling through the r
 workers. The group trains what one trainer actor does, sharded or sequence-parallel."""
 
 import json
-import signal
 import subprocess
 import time
 
@@ -14,23 +13,13 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")  # a dependency of ray
 
-from honing.backends import ray_run  # noqa: E402
 from honing.backends.launch import train  # noqa: E402
 from tests import warm  # noqa: E402
 
 from ._configs import cli_args, small_run_config  # noqa: E402
+from .test_ray_backend import cluster  # noqa: E402, F401  (a local instance for this module)
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray_run.start_local(num_cpus=8, log_to_driver=False)
-    yield
-    ray.shutdown()
-    for sig, handler in handlers.items():  # ray.init installs its own; later tests need these
-        signal.signal(sig, handler)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cluster")]
 
 
 def _run(tmp_path, model_dir, reward, name, **overrides):
@@ -48,7 +37,7 @@ def _run(tmp_path, model_dir, reward, name, **overrides):
     return steps, {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
 
 
-def test_two_trainer_actors_train_what_one_does(cluster, tmp_path, micro_model_dir, digit_reward):
+def test_two_trainer_actors_train_what_one_does(tmp_path, micro_model_dir, digit_reward):
     """Two trainer actors, FSDP over gloo, reach the weights one trainer actor reaches from
     the same samples (the rollout workers draw each task by its place in the batch); float
     sums in another order differ by ~1e-7. (Sequence-parallel actors: the restart test.)"""
@@ -81,7 +70,7 @@ def _trainer_actors() -> list:
 
 
 def test_a_lost_trainer_actor_restarts_the_run_from_its_checkpoint(
-    cluster, tmp_path, micro_model_dir, digit_reward
+    tmp_path, micro_model_dir, digit_reward
 ):
     """A trainer actor killed mid-run (its node lost) ends the run as a crash in one line;
     under --max-restarts the group (two actors sharing each sequence) starts again from the
