@@ -209,8 +209,9 @@ class _Pool:
                 return  # replaced already, with its node
             node = worker.node or _node_of(worker.handle)
             lost = bool(node) and _node_lost(node)
-            gone = [w for w in self.workers if lost and (w.node or _node_of(w.handle)) == node]
-            gone = gone or [worker]
+            gone = [worker]
+            if lost:  # every worker of the node (``worker`` among them)
+                gone = [w for w in self.workers if (w.node or _node_of(w.handle)) == node]
             for each in gone:
                 self.workers.remove(each)
                 ray.kill(each.handle)  # a merely unreachable one would keep its resources
