@@ -239,6 +239,11 @@ class TrainerConfig:
     # W ranks form W/N data-parallel slots of N consecutive ranks, which share each sequence
     # of their rows: activations per rank ~1/N. 1 = off
     sequence_parallel: int = _opt(1, ge=1)
+    # Under torchrun: ranks per split weight (Megatron-style tensor parallelism; honing/trainer/
+    # tensor_parallel.py). Each slot of N consecutive ranks splits the attention heads and the
+    # MLP over its ranks and runs the same rows; with strategy=fsdp the slots shard the rest
+    # (2-D). Weights, gradients and optimizer state per rank ~1/N of the split layers. 1 = off
+    tensor_parallel: int = _opt(1, ge=1, le=64)
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,8 @@ def build_components(config: Config, log=print, group=None) -> Components:
 
 def trainer_layout(config: Config, group, log=print):
     """How the trained modules are laid out: whole in this process; under torchrun
-    (``group``) replicated on every rank, or sharded over them (``trainer.strategy=fsdp``)."""
+    (``group``) replicated on every rank, or sharded over them (``trainer.strategy=fsdp``),
+    split over tensor-parallel slots (``trainer.tensor_parallel``)."""
     t, memory = config.trainer, config.memory
     if (memory.param_offload or memory.optimizer_offload) and resolve_device(
         config.model.device
@@ -263,6 +264,7 @@ def trainer_layout(config: Config, group, log=print):
         param_dtype=t.fsdp_param_dtype,
         param_offload=memory.param_offload,
         sequence=t.sequence_parallel,
+        tensor=t.tensor_parallel,
     )
 
 

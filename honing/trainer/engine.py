@@ -28,7 +28,8 @@ for what depends on that layout:
   ``scale_lr(scale)``: the one place its learning rates are read and written;
 - ``is_sharded`` (each rank holds a shard), ``passes_together`` (every pass without
   gradient runs on every rank together: sharded, or sequence-parallel), ``world_size`` and
-  ``data_parallel_size`` (the slots the rows are dealt to: ranks / sequence_parallel).
+  ``data_parallel_size`` (the slots the rows are dealt to: ranks / (sequence_parallel x
+  tensor_parallel)).
 
 ``TrainedModule`` implements it for every layout; ``TrainedModule.laid_out`` lays a module
 out before its optimizer is made, as sharding requires.
@@ -48,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from honing.models.loading import is_lora
 from honing.rollout.base import WeightBucket
 from honing.trainer.layouts import Layout, OneProcess, Replicated
+from honing.trainer.optimizer_step import clip_and_step, move_optimizer_state
 from honing.trainer.sharded import Sharded, local_bytes
 
 # What a module is read as, for ``weights`` / ``whole_tensors``: its state, or other pieces
@@ -138,10 +140,12 @@ def make_layout(
     param_dtype: str = "float32",
     param_offload: bool = False,
     sequence: int = 1,
+    tensor: int = 1,
 ) -> Layout:
     """The layout of ``trainer.strategy`` (``replicate`` | ``fsdp``) over the torchrun
-    ``group``, ``sequence`` ranks sharing each sequence (``trainer.sequence_parallel``);
-    whole in this process when there is no group."""
+    ``group``, ``sequence`` ranks sharing each sequence (``trainer.sequence_parallel``) or
+    ``tensor`` ranks splitting each weight (``trainer.tensor_parallel``); whole in this
+    process when there is no group."""
     if group is None:
         return OneProcess()
     if strategy == "fsdp":
@@ -151,43 +155,9 @@ def make_layout(
             param_dtype=param_dtype,
             param_offload=param_offload,
             sequence=sequence,
+            tensor=tensor,
         )
-    return Replicated(group, sequence)
-
-
-def clip_and_step(module: nn.Module, optimizer, grad_clip: float) -> tuple[torch.Tensor, bool]:
-    """Clips the gradients to ``grad_clip`` (0: off) and steps, unless their norm is not
-    finite (a NaN/inf gradient would poison every weight through Adam): then they are
-    dropped. Returns the norm and whether the step was taken; one host sync."""
-    if grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in module.parameters() if p.grad is not None]
-        )
-    if isinstance(norm, DTensor):  # the norm over every rank's shards
-        norm = norm.full_tensor()
-    if not torch.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
-        return norm, False
-    optimizer.step()
-    return norm, True
-
-
-def move_optimizer_state(optimizer, device: torch.device) -> int:
-    """Moves the optimizer's tensors (Adam's moments) to ``device`` (pinned host memory when
-    CUDA is there to copy back from); returns the bytes moved."""
-    moved = 0
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                whole = not isinstance(value, DTensor)  # a shard moves as its DTensor
-                state[key] = value.to(device, non_blocking=not (pin and whole))
-                if pin and whole:
-                    state[key] = state[key].pin_memory()
-                moved += local_bytes([value])
-    return moved
+    return Replicated(group, sequence, tensor)
 
 
 class TrainedModule:
@@ -259,7 +229,8 @@ class TrainedModule:
 
     @property
     def data_parallel_size(self) -> int:
-        """The number of row shares a mini-batch is dealt into (ranks / sequence_parallel)."""
+        """The number of row shares a mini-batch is dealt into (ranks / (sequence_parallel x
+        tensor_parallel))."""
         return self.layout.slots
 
     def response_logprobs(self, model: nn.Module, batch, **options) -> tuple:
@@ -315,9 +286,7 @@ class TrainedModule:
     def weights(self, pieces: Pieces | None = None) -> Iterator[WeightBucket]:
         """``whole_tensors`` in buckets of at most ``bucket_bytes``, for the rollout engines
         (they copy the live tensors they get), each made when it is asked for."""
-        whole = self.whole_tensors(pieces)
-        if not self.is_sharded:  # (a sharded module's gather gives a tied tensor once)
-            whole = _untied(whole, tied_names(self.module))
+        whole = _untied(self.whole_tensors(pieces), tied_names(self.module))
         return buckets(whole, self.bucket_bytes)
 
     def load_tensors(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

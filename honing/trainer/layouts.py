@@ -10,13 +10,21 @@ Micro-batches come by a count of rows (``size``) or, with a token budget (``budg
 ranks so that each gets about as many tokens, and each rank packs its rows into micro-batches
 of at most ``budget`` padded tokens (``pack_rows``).
 
-With sequence parallelism (``trainer.sequence_parallel=N``, ``sequence_slots``) the torchrun
+With sequence parallelism (``trainer.sequence_parallel=N``, ``mesh_slots``) the torchrun
 ranks form W/N data-parallel slots of N consecutive ranks: rows are dealt to the slots, every
 rank of a slot runs the same rows and shares each sequence (Ulysses, ``sequence_parallel``),
 its logprob passes (``Layout.logprobs``) give every rank of the slot the whole [B, R], and
 each rank's gradient is its own tokens' part: the sum over all W ranks, which the gradient
 reduction takes anyway, is the one-process gradient. Metrics, alike on a slot's ranks, are
 summed over one rank per slot.
+
+With tensor parallelism (``trainer.tensor_parallel=N``, ``trainer/tensor_parallel.py``) a
+slot's N consecutive ranks each hold a slice of every split weight and run the same rows
+together; the gradients are summed over the slots alone (a split weight's slice is its own
+on each rank, a whole one's gradient alike on the slot's ranks), and the module counts as
+sharded: every rank takes part in each pass, gather and checkpoint. Parameters split by
+tensor parallelism are DTensors, which every copy in or out of a layout handles
+(``whole_pieces``, ``copy_whole``).
 """
 
 from __future__ import annotations
@@ -27,10 +35,12 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from honing.errors import ConfigError
 from honing.trainer.batch import response_logprobs
 from honing.trainer.mesh import ParallelDims, device_mesh
+from honing.trainer.tensor_parallel import parallelize
 from honing.trainer.ulysses.packed import shared_logprobs
 from honing.trainer.ulysses.parallel import SequenceGroup, use_ulysses
 
@@ -45,8 +55,10 @@ class Layout(ABC):
         group: the torchrun process group (None in one process).
         sp: the ranks sharing each sequence with this one (alone without SP).
         slot, slots, dp: this rank's data-parallel slot, their number, and the group of one
-            rank per slot that holds this one (``group`` itself without SP).
-        mesh: the named device mesh ``sp`` and ``dp`` come from (None without SP).
+            rank per slot that holds this one (``group`` itself without SP or TP).
+        tp: the 1-D mesh of the ranks splitting each weight with this one (None without TP).
+        mesh: the named device mesh ``dp``, ``sp`` and ``tp`` come from (None without SP or
+            TP).
     """
 
     rank: int = 0
@@ -57,6 +69,7 @@ class Layout(ABC):
     slot: int = 0
     slots: int = 1
     dp = None
+    tp = None
     mesh = None
 
     @property
@@ -68,7 +81,10 @@ class Layout(ABC):
     def logprobs(self, model: nn.Module, batch, **options) -> tuple:
         """``response_logprobs(model, batch, **options)`` as this layout runs a logprob pass:
         under SP every rank of the slot on the same rows, each its share of every sequence
-        (``ulysses/packed.shared_logprobs``), the whole [B, R] on each."""
+        (``ulysses/packed.shared_logprobs``), the whole [B, R] on each. A tensor-parallel
+        module runs its own forward (the packed one reads its weights whole)."""
+        if self.tp is not None:
+            options = options | {"packed": False}
         if self.sp.world == 1:
             return response_logprobs(model, batch, **options)
         return shared_logprobs(model, batch, self.sp, **options)
@@ -104,8 +120,8 @@ class Layout(ABC):
         module."""
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
-        """Each (name, tensor) piece whole (gathered from every rank when sharded)."""
-        return iter(pieces)
+        """Each (name, tensor) piece whole (``whole_pieces``)."""
+        return whole_pieces(pieces)
 
     def load_whole(self, module: nn.Module, pieces) -> list[str]:
         """Copies whole tensors into ``module`` by name (this rank's shards of them when
@@ -118,15 +134,43 @@ class Layout(ABC):
         return compute(batch)
 
 
+def whole_pieces(pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
+    """Each (name, tensor) piece whole: a DTensor (a shard of FSDP's or a slice of tensor
+    parallelism's) gathered from every rank as its turn comes (every rank takes part and gets
+    it), and not given again when it is tied to one already given (embeddings, head)."""
+    seen = set()
+    for name, tensor in pieces:
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            storage = (local.untyped_storage().data_ptr(), local.storage_offset())
+            if storage in seen:
+                continue
+            seen.add(storage)
+            tensor = tensor.full_tensor()
+        yield name, tensor
+
+
 def copy_whole(module: nn.Module, pieces) -> list[str]:
-    """Copies whole tensors into a whole module by name; returns the names it lacks."""
+    """Copies whole tensors into ``module`` by name, one at a time: into a DTensor parameter
+    its own part (every rank reads the same pieces and keeps its part; a piece that is a
+    DTensor already, read from shards, is copied as it is). Returns the names it lacks."""
     own, unknown = module.state_dict(), []
     with torch.no_grad():
         for name, whole in pieces:
-            if name in own:
-                own[name].copy_(whole)
-            else:
+            target = own.get(name)
+            if target is None:
                 unknown.append(name)
+            elif isinstance(whole, DTensor):
+                if whole is not target:
+                    target.to_local().copy_(whole.to_local())
+            elif isinstance(target, DTensor):
+                whole = whole.to(device=target.device, dtype=target.dtype)
+                part = distribute_tensor(
+                    whole, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(part.to_local())
+            else:
+                target.copy_(whole)
     return unknown
 
 
@@ -146,19 +190,23 @@ def reduce_across(
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def sequence_slots(layout: Layout, sequence: int) -> None:
-    """Sets ``layout``'s ``mesh``, ``sp``, ``slot``, ``slots`` and ``dp`` for ``sequence`` ranks
-    per sequence over its ``group``: slot s is ranks sN .. sN + N - 1, the groups the
-    dimensions of one named mesh (``trainer/mesh.py``). Without SP, the slots are the ranks
-    and ``dp`` is ``group`` itself (no mesh is made)."""
-    dims = ParallelDims.of(layout.world, sequence)
+def mesh_slots(layout: Layout, sequence: int = 1, tensor: int = 1) -> None:
+    """Sets ``layout``'s ``mesh``, ``sp``, ``tp``, ``slot``, ``slots`` and ``dp`` for
+    ``sequence`` ranks per sequence and ``tensor`` ranks per split weight over its ``group``:
+    slot s is ranks sN .. sN + N - 1 (N = sequence x tensor), the groups the dimensions of one
+    named mesh (``trainer/mesh.py``). Without either, the slots are the ranks and ``dp`` is
+    ``group`` itself (no mesh is made)."""
+    dims = ParallelDims.of(layout.world, sequence, tensor)
     layout.slot, layout.slots, layout.dp = layout.rank, layout.world, layout.group
-    if sequence == 1:
+    if dims.names == ("dp",):
         return
     layout.mesh = device_mesh(layout.group, dims)
     layout.slot, layout.slots = layout.mesh.get_coordinate()[0], dims.dp
-    layout.sp = SequenceGroup.of(layout.mesh.get_group("sp"))
     layout.dp = layout.mesh.get_group("dp")
+    if dims.sp > 1:
+        layout.sp = SequenceGroup.of(layout.mesh.get_group("sp"))
+    if dims.tp > 1:
+        layout.tp = layout.mesh["tp"]
 
 
 def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
@@ -263,15 +311,20 @@ class Replicated(Layout):
     the summed gradients (one all-reduce over every rank per optimizer step) give every rank
     the single-process step, so every rank holds the same weights and optimizer state.
     Passes without gradients run on one rank alone, as in one process; under SP every rank
-    runs them together, each slot its rows (``rowwise_by_slots``)."""
+    runs them together, each slot its rows (``rowwise_by_slots``).
 
-    def __init__(self, group, sequence: int = 1):
+    With ``tensor`` > 1 the module is whole on each slot, split over its ranks (tensor
+    parallelism): it counts as sharded (``collective``), every pass runs on every rank, and
+    the gradients are summed over the slots (``dp``) alone."""
+
+    def __init__(self, group, sequence: int = 1, tensor: int = 1):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        sequence_slots(self, sequence)
+        mesh_slots(self, sequence, tensor)
+        self.collective = self.tp is not None  # each rank holds a slice of the split weights
 
     def prepare(self, module: nn.Module) -> nn.Module:
-        return with_ulysses(module, self.sp.world)
+        return parallelize(with_ulysses(module, self.sp.world), self.tp)
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
@@ -288,18 +341,26 @@ class Replicated(Layout):
         return [(c, len(c)) for c in mine]
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        """All-reduce (sum) every trainable parameter's gradient, as one flat buffer."""
+        """All-reduce (sum) every trainable parameter's gradient, as one flat buffer, over
+        every rank (over the slots under tensor parallelism: a DTensor's local slice)."""
         params = [p for p in module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        for param, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-            param.grad = piece.view_as(param)  # views of the one reduced buffer, no copy
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.group if self.tp is None else self.dp)
+        pieces = flat.split([g.numel() for g in local])
+        with torch.no_grad():
+            for param, grad, part, piece in zip(params, grads, local, pieces, strict=True):
+                if isinstance(grad, DTensor):
+                    part.copy_(piece.view_as(part))
+                    param.grad = grad
+                else:
+                    param.grad = piece.view_as(param)  # views of the reduced buffer, no copy
 
     def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
         return reduce_across(totals, self.dp, how)
 
     def rowwise(self, compute: Callable, batch, width: int) -> torch.Tensor:
-        if self.sp.world == 1:
+        if not self.passes_together:
             return compute(batch)
         return rowwise_by_slots(self, compute, batch, width)

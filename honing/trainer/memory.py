@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -29,7 +30,11 @@ class SavedBytes:
     _seen: set[int] = field(default_factory=set, repr=False)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+        local = tensor
+        if isinstance(tensor, DTensor):  # a tensor-parallel slice: this rank's part
+            with torch.no_grad():
+                local = tensor.to_local()
+        storage = local.untyped_storage()
         key = storage.data_ptr()
         if key not in self._seen and storage.nbytes():
             self._seen.add(key)
@@ -42,8 +47,6 @@ class SavedBytes:
 def saved_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBytes]:
     """Count the bytes autograd saves for backward inside the block (``with saved_bytes(
     model.parameters()) as saved: loss = ...``; then ``saved.bytes``)."""
-    from torch.distributed.tensor import DTensor
-
     counter = SavedBytes()
     for tensor in exclude:  # a sharded parameter: its local shard
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,12 +1,15 @@
 """The one named device mesh a trained module's parallel groups come from.
 
 The torchrun ranks sharing a module are laid out as a grid (torchtitan's ``ParallelDims``
-does the same): ``dp`` data-parallel slots of ``sp`` consecutive ranks, the ranks of a slot
-sharing each sequence (``trainer.sequence_parallel``). Slot s holds ranks sN .. sN + N - 1, so
-a rank's ``sp`` group is its row of the grid and its ``dp`` group (one rank per slot, the
-same position in each) its column. Every group is a dimension of one ``DeviceMesh`` built by
-``init_device_mesh`` (or over a caller's group's ranks), so a further dimension (tensor or
-expert parallelism) is one more name in ``DIMENSIONS`` and one more factor of the world,
+does the same): ``dp`` data-parallel slots, each of ``sp`` x ``tp`` consecutive ranks. The
+ranks of a slot run the same rows: under ``trainer.sequence_parallel`` they share each
+sequence (``sp``), under ``trainer.tensor_parallel`` each holds a slice of every split weight
+(``tp``, the innermost dimension: a tensor-parallel group is consecutive ranks, which on a
+GPU node share the fastest links). Slot s holds ranks sN .. sN + N - 1 (N = sp x tp), so a
+rank's ``sp`` or ``tp`` group is its row of the grid and its ``dp`` group (one rank per slot,
+the same position in each) its column. Every group is a dimension of one ``DeviceMesh`` built
+by ``init_device_mesh`` (or over a caller's group's ranks), so a further dimension (expert
+parallelism's ``ep``) is one more name in ``DIMENSIONS`` and one more factor of the world,
 not another set of hand-made ``new_group`` calls.
 """
 
@@ -20,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from honing.errors import ConfigError
 
-DIMENSIONS = ("dp", "sp")
+DIMENSIONS = ("dp", "sp", "tp")  # outermost first
+KEYS = {"sp": "trainer.sequence_parallel", "tp": "trainer.tensor_parallel"}
 
 
 @dataclass(frozen=True)
@@ -29,33 +33,40 @@ class ParallelDims:
 
     dp: int
     sp: int = 1
+    tp: int = 1
 
     @classmethod
-    def of(cls, world: int, sequence: int) -> ParallelDims:
-        """The dimensions of ``world`` ranks with ``sequence`` ranks per sequence.
+    def of(cls, world: int, sequence: int = 1, tensor: int = 1) -> ParallelDims:
+        """The dimensions of ``world`` ranks with ``sequence`` ranks per sequence and
+        ``tensor`` ranks per split weight.
 
         Raises:
-            ConfigError: the ranks do not split into groups of ``sequence``.
+            ConfigError: the ranks do not split into groups of ``sequence`` x ``tensor``.
         """
-        if sequence < 1 or world % sequence:
-            raise ConfigError(
-                f"trainer.sequence_parallel={sequence}: {world} torchrun ranks do not split "
-                f"into groups of {sequence}"
-            )
-        return cls(dp=world // sequence, sp=sequence)
+        sizes = {"sp": sequence, "tp": tensor}
+        slot = sequence * tensor
+        if min(sizes.values()) < 1 or world % slot:
+            keys = " x ".join(f"{KEYS[n]}={size}" for n, size in sizes.items() if size != 1)
+            raise ConfigError(f"{keys}: {world} torchrun ranks do not split into groups of {slot}")
+        return cls(dp=world // slot, sp=sequence, tp=tensor)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The mesh's dimensions: ``dp``, and each other that spans more than one rank."""
+        return ("dp",) + tuple(n for n in DIMENSIONS[1:] if getattr(self, n) > 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in DIMENSIONS)
+        return tuple(getattr(self, name) for name in self.names)
 
 
 def device_mesh(group, dims: ParallelDims) -> DeviceMesh:
     """The mesh of ``dims`` over the ranks of ``group`` (the whole world: ``init_device_mesh``),
-    its dimensions named ``DIMENSIONS``. Every rank of ``group`` must call it, in the same
+    its dimensions named ``dims.names``. Every rank of ``group`` must call it, in the same
     order as its other group creations (each dimension makes process groups)."""
     ranks = dist.get_process_group_ranks(group)
     device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     if ranks == list(range(dist.get_world_size())):
-        return init_device_mesh(device_type, dims.shape, mesh_dim_names=DIMENSIONS)
+        return init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.names)
     grid = torch.tensor(ranks, dtype=torch.int).view(dims.shape)
-    return DeviceMesh(device_type, grid, mesh_dim_names=DIMENSIONS)
+    return DeviceMesh(device_type, grid, mesh_dim_names=dims.names)

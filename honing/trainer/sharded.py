@@ -22,27 +22,33 @@ parts of every rank of every slot, the one-process gradient. A shared logprob pa
 decoder and the head directly, not the model's ``forward``, so it runs inside the root's
 gather and post-backward hooks through ``run_in_forward``, registered as an FSDP forward
 method.
+
+With tensor parallelism (``trainer.tensor_parallel=N``) the module is split over each slot's
+N ranks first (``trainer/tensor_parallel.py``), then sharded over the slots (the mesh's
+``dp`` dimension): 2-D, torchtitan's order. A split weight is then a DTensor over both
+dimensions, a whole one (embeddings, norms) over ``dp``; the reduce-scatter sums the slots.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from honing.errors import ConfigError
 from honing.trainer.layouts import (
     Layout,
+    mesh_slots,
     reduce_across,
     rowwise_by_slots,
-    sequence_slots,
     token_shares,
     with_ulysses,
 )
+from honing.trainer.tensor_parallel import parallelize
 from honing.trainer.ulysses.packed import shared_logprobs
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,16 +80,18 @@ class Sharded(Layout):
         param_dtype: str = "float32",
         param_offload: bool = False,
         sequence: int = 1,
+        tensor: int = 1,
     ):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        sequence_slots(self, sequence)
+        mesh_slots(self, sequence, tensor)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = DTYPES[param_dtype]
         self.param_offload = param_offload
 
     def prepare(self, module: nn.Module) -> nn.Module:
-        """Shards ``module`` in place (each decoder layer, then the whole); returns it."""
+        """Shards ``module`` in place (each decoder layer, then the whole; over the slots
+        after the tensor-parallel split); returns it."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -93,10 +101,13 @@ class Sharded(Layout):
             register_fsdp_forward_method,
         )
 
-        module = with_ulysses(module, self.sp.world)
+        module = parallelize(with_ulysses(module, self.sp.world), self.tp)
 
         device = next(module.parameters()).device
-        mesh = DeviceMesh.from_group(self.group, device.type)
+        if self.tp is None:
+            mesh = DeviceMesh.from_group(self.group, device.type)
+        else:
+            mesh = self.mesh["dp"]
         options = {
             "mesh": mesh,
             "reshard_after_forward": self.reshard_after_forward,
@@ -168,45 +179,6 @@ class Sharded(Layout):
             )
 
         return model.run_in_forward(compute)
-
-    def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
-        """Each piece whole, gathered from every rank as its turn comes (every rank takes
-        part and gets it); a tensor tied to one already given is not given again."""
-        seen = set()
-        for name, tensor in pieces:
-            if isinstance(tensor, DTensor):
-                local = tensor.to_local()
-                storage = (local.untyped_storage().data_ptr(), local.storage_offset())
-                if storage in seen:  # tied to a weight already given (embeddings, head)
-                    continue
-                seen.add(storage)
-                tensor = tensor.full_tensor()
-            yield name, tensor
-
-    def load_whole(self, module: nn.Module, pieces: Iterable[tuple[str, torch.Tensor]]):
-        """Copies whole tensors into the module's shards, one at a time (every rank reads
-        the same pieces and keeps its own part); returns the names it did not have."""
-        own = module.state_dict()
-        unknown = []
-        with torch.no_grad():
-            for name, whole in pieces:
-                target = own.get(name)
-                if target is None:
-                    unknown.append(name)
-                    continue
-                if isinstance(whole, DTensor):  # a shard already (read from shards)
-                    if whole is not target:
-                        target.to_local().copy_(whole.to_local())
-                    continue
-                whole = whole.to(device=target.device, dtype=target.dtype)
-                if isinstance(target, DTensor):
-                    part = distribute_tensor(
-                        whole, target.device_mesh, target.placements, src_data_rank=None
-                    )
-                    target.to_local().copy_(part.to_local())
-                else:
-                    target.copy_(whole)
-        return unknown
 
     def rowwise(self, compute: Callable, batch, width: int) -> torch.Tensor:
         """``compute(rows)`` of this rank's rows, every rank's results gathered into the

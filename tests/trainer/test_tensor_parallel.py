@@ -1,0 +1,141 @@
+"""Tensor parallelism (``trainer.tensor_parallel``) on gloo ranks the test spawns: the policy
+split over 2 ranks, alone or under FSDP over 2 slots (2-D), ends two policy updates where one
+process does; a checkpoint saved under TP x FSDP resumes in one process to the same weights;
+every rank gathers the same whole tensors for the rollout engines and exports."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from honing.models.loading import load_causal_lm, load_tokenizer
+from honing.trainer.batch import collate
+from honing.trainer.engine import TrainedModule, make_layout
+from honing.trainer.layouts import OneProcess
+from honing.trainer.policy_update import UpdateSettings, update_policy
+
+from .ranks import on_ranks
+from .test_policy_update import PAD, make_rollouts
+
+CPU = torch.device("cpu")
+# two mini-batches of 6 in micro-batches of 2; a clip far under the gradients' norm, so that
+# every step is scaled by the global norm (a rank's own norm would scale it otherwise)
+SETTINGS = dataclasses.replace(
+    UpdateSettings(kl_coef=0.05, entropy_coef=0.01, grad_clip=0.05),
+    mini_batch_sequences=6,
+    micro_batch_size=2,
+)
+CALLS = 2  # policy updates, each of two optimizer steps
+
+
+def _engine(model_dir: str, layout) -> TrainedModule:
+    torch.manual_seed(0)
+    model = load_causal_lm(model_dir, load_tokenizer(model_dir), dtype="float32", device=CPU)
+
+    def optimizer(module):  # momentum: state to save and reshard; the step is linear in it
+        return torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9), None
+
+    return TrainedModule.laid_out("policy", model, layout, optimizer, serves_generation=True)
+
+
+def _update(engine: TrainedModule, call: int) -> None:
+    batch = collate(make_rollouts(seed=call), pad_id=PAD, device=CPU)
+    gen = torch.Generator().manual_seed(1 + call)
+    advantages = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
+    old = torch.randn(batch.responses.shape, generator=gen) * 0.1 - 2.0
+    ref = torch.randn(batch.responses.shape, generator=gen) * 0.1 - 2.0
+    generator = torch.Generator().manual_seed(5 + call)
+    update_policy(
+        engine, batch, advantages, SETTINGS, old_logprobs=old, ref_logprobs=ref, generator=generator
+    )
+
+
+def _whole(engine: TrainedModule) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in engine.whole_tensors()}
+
+
+def _on_rank(model_dir: str, strategy: str, tensor: int, shards: str | None) -> dict:
+    """Two updates under the layout; with ``shards``, the state saved after the first."""
+    engine = _engine(model_dir, make_layout(strategy, dist.group.WORLD, tensor=tensor))
+    for call in range(CALLS):
+        if call == 1 and shards:
+            engine.save_shards({"policy": engine.state()}, shards)
+        _update(engine, call)
+    sent = [piece for bucket in engine.weights() for piece in bucket]
+    return {
+        "whole": _whole(engine),
+        "sent": [name for name, _ in sent],
+        "slot": engine.data_parallel_size,
+        "split": sorted(
+            name for name, p in engine.module.named_parameters() if isinstance(p, DTensor)
+        ),
+    }
+
+
+def _one_process(model_dir: str, shards: str | None = None) -> dict[str, torch.Tensor]:
+    """Two updates in one process; with ``shards``, the first's state read from them."""
+    engine = _engine(model_dir, OneProcess())
+    if shards:
+        template = {"policy": engine.state(template=True)}
+        engine.load_shards(template, shards)
+        engine.load_state(template["policy"])
+    for call in range(1 if shards else 0, CALLS):
+        _update(engine, call)
+    return _whole(engine)
+
+
+def _assert_same(got: dict, want: dict, before: dict) -> float:
+    """Every tensor within 1e-5 of ``want``'s; most of them moved. The largest gap. (A
+    sharded gather gives the tied head once, as the embeddings.)"""
+    assert got.keys() <= want.keys() and want.keys() - got.keys() <= {"lm_head.weight"}
+    want = {name: want[name] for name in got}
+    gap = max(float((got[n] - want[n]).abs().max()) for n in want)
+    moved = sum(bool((want[n] - before[n]).abs().max() > 1e-6) for n in want)
+    print(f"largest gap {gap:.2e}, {moved} of {len(want)} moved")
+    assert moved >= len(want) // 2  # the updates did change the weights
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=0, msg=name)
+    return gap
+
+
+@pytest.fixture(scope="module")
+def one_process(micro_model_dir):
+    before = _whole(_engine(str(micro_model_dir), OneProcess()))
+    return _one_process(str(micro_model_dir)), before
+
+
+@pytest.mark.slow  # gloo ranks spawned, each importing torch
+def test_two_tensor_parallel_ranks_update_as_one_process(micro_model_dir, one_process, tmp_path):
+    want, before = one_process
+    args = (str(micro_model_dir), "replicate", 2, None)
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), 2, *args)
+    for rank in ranks:
+        _assert_same(rank["whole"], want, before)
+        assert rank["slot"] == 1  # both ranks run every row
+    # the attention and MLP projections are split; embeddings and norms are whole
+    split = ranks[0]["split"]
+    assert split == sorted(
+        f"model.layers.{i}.{path}.weight"
+        for i in range(2)
+        for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        + ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    )
+    assert "lm_head.weight" not in ranks[0]["sent"]  # the tied head is sent once
+
+
+@pytest.mark.slow
+def test_tensor_parallel_under_fsdp_updates_as_one_process_and_resumes_in_one(
+    micro_model_dir, one_process, tmp_path
+):
+    """TP=2 x FSDP=2 on 4 ranks (2-D: split within a slot, sharded over the slots); its
+    checkpoint of the first update's state read back by one process, which goes on to the
+    same weights."""
+    want, before = one_process
+    shards = str(tmp_path / "shards")
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), 4, str(micro_model_dir), "fsdp", 2, shards)
+    for rank in ranks:
+        _assert_same(rank["whole"], want, before)
+        assert rank["slot"] == 2
+    _assert_same(_one_process(str(micro_model_dir), shards), want, before)
