@@ -1,0 +1,250 @@
+"""Expert parallelism: two gloo ranks, each holding half the experts of a tiny MoE model and
+feeding its own rows, compute what one process computes on the rows of both: the logprobs,
+each rank's expert gradients (the matching slice of one process's) and the dense gradients
+(summed over the ranks), with routing replay dispatching the replayed experts; and the
+one-line refusals. The split and permutation arithmetic is checked in one process.
+
+Tolerance: float32. The experts see the same rows as in one process, but the top-k sum and
+the gradients' sums run in another order (a rank's rows, then the other's), so agreement is
+to float32 reassociation (atol 1e-5), not bit for bit."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from honing.errors import ConfigError
+from honing.models.moe import routers_of
+from honing.trainer import expert_parallel
+from honing.trainer.expert_parallel import apply_expert_parallel, inverse, local_order, route
+from tests.models.moe_families import build
+from tests.models.moe_models import FAMILIES as MOE_MODELS
+from tests.models.moe_models import moe_model
+from tests.trainer.ranks import on_ranks
+
+WORLD = 2
+VOCAB, PAD = 64, 0
+ROWS, TOKENS = 2, 8  # per rank
+# (family, what the pass does): "live" routes as the routers choose, "replay" by a plan,
+# "loop" runs the local experts one by one instead of grouped_mm
+CASES = (
+    ("qwen3_moe", "live"),  # a dense layer among the MoE ones
+    ("qwen3_moe", "replay"),
+    ("qwen3_moe", "loop"),
+    ("mixtral", "replay"),  # 4 experts, 2 per rank
+    ("deepseek_v3", "live"),  # group-limited sigmoid routing, a shared expert
+    ("qwen2_moe", "live"),  # 6 experts, 3 per rank; a gated shared expert
+    ("gpt_oss", "live"),  # transposed, interleaved gate and up, biases
+    ("gpt_oss", "loop"),
+    ("nemotron_h", "live"),  # no gate: up_proj and an activation
+)
+REFUSED = ("dbrx", "llama4_text", "jetmoe")
+
+
+def _model(family: str):
+    if family in ("gpt_oss", "nemotron_h"):
+        return build(family, vocab_size=VOCAB)
+    return moe_model(family, VOCAB, PAD).float()
+
+
+def _ids() -> torch.Tensor:
+    """[WORLD * ROWS, TOKENS]: rank r feeds rows r * ROWS .. (r + 1) * ROWS - 1."""
+    return torch.randint(
+        1, VOCAB, (WORLD * ROWS, TOKENS), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def _plan(routers) -> torch.Tensor:
+    """[WORLD * ROWS * TOKENS, L, k] distinct random experts, every fifth token -1 (live)."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (WORLD * ROWS * TOKENS, routers.layers, routers.num_experts)
+    plan = torch.rand(shape, generator=gen).argsort(-1)[..., : routers.top_k]
+    plan[::5] = -1
+    return plan
+
+
+def _pass(model, ids: torch.Tensor, plan: torch.Tensor | None) -> dict:
+    """The logprobs of ``ids`` (routed by ``plan`` if given), the backward of their negated
+    sum, and the experts each layer used."""
+    with routers_of(model).session(replay=plan, record=True) as session:
+        logits = model(input_ids=ids).logits.float()
+    logprobs = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    (-logprobs.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"logprobs": logprobs.detach(), "grads": grads, "used": session.recorded_calls()[0]}
+
+
+def _one_process(family: str, plans: str) -> dict:
+    model = _model(family)
+    plan = _plan(routers_of(model)) if plans == "replay" else None
+    return _pass(model, _ids(), plan) | {"params": dict(model.named_parameters())}
+
+
+def _on_rank(family: str, plans: str) -> dict:
+    rank = dist.get_rank()
+    model = _model(family)
+    whole = {name: p.detach().clone() for name, p in model.named_parameters()}
+    shards = apply_expert_parallel(model, dist.group.WORLD)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    plan = None
+    if plans == "replay":  # the rows of this rank's tokens
+        plan = _plan(routers_of(model))[rank * ROWS * TOKENS : (rank + 1) * ROWS * TOKENS]
+    fits = expert_parallel.grouped_mm_fits
+    if plans == "loop":
+        expert_parallel.grouped_mm_fits = lambda *args: False
+    try:
+        result = _pass(model, _ids()[rows], plan)
+    finally:
+        expert_parallel.grouped_mm_fits = fits
+    counts = torch.stack([m.counts for m in shards.modules.values()])  # [L, ep, E]
+    gathered = dict(shards.whole_tensors())
+    name = shards.parameter_names[0]
+    shards.load_whole(name, gathered[name] * 2)
+    loaded = dict(model.named_parameters())[name].detach().clone()
+    return result | {
+        "names": shards.parameter_names,
+        "counts": counts,
+        "metrics": shards.take_metrics(),
+        "after_take": sum(int(m.counts.sum()) for m in shards.modules.values()),
+        "whole_equal": all(torch.equal(gathered[n], whole[n]) for n in gathered),
+        "loaded": (name, loaded),
+    }
+
+
+def _refusal(family: str, **overrides) -> str:
+    if family in MOE_MODELS:
+        model = moe_model(family, VOCAB, PAD, **overrides)
+    else:
+        model = build(family, **overrides)
+    try:
+        apply_expert_parallel(model, dist.group.WORLD)
+    except ConfigError as error:
+        return str(error)
+    return "not refused"
+
+
+def _all_cases() -> dict:
+    results = {case: _on_rank(*case) for case in CASES}
+    results["refused"] = {family: _refusal(family) for family in REFUSED}
+    results["refused"]["indivisible"] = _refusal("qwen2_moe", num_experts=5)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return on_ranks(_all_cases, str(tmp_path_factory.mktemp("ep") / "rank"), WORLD)
+
+
+@pytest.mark.slow  # gloo ranks spawned, each importing torch
+@pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
+def test_two_expert_parallel_ranks_compute_what_one_process_computes(ranks, case):
+    want = _one_process(*case)
+    names = ranks[0][case]["names"]
+    assert names and set(names) <= want["grads"].keys()
+    whole = torch.cat([rank[case]["logprobs"] for rank in ranks])
+    torch.testing.assert_close(whole, want["logprobs"], atol=1e-5, rtol=1e-5)
+    for name, grad in want["grads"].items():
+        if name in names:  # each rank's experts: its slice of one process's
+            local = grad.shape[0] // WORLD
+            for r, rank in enumerate(ranks):
+                part = grad[r * local : (r + 1) * local]
+                torch.testing.assert_close(rank[case]["grads"][name], part, atol=1e-5, rtol=1e-4)
+        else:  # dense, routers and shared experts included: summed over the ranks
+            total = sum(rank[case]["grads"][name] for rank in ranks)
+            torch.testing.assert_close(total, grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == "replay"], ids="-".join)
+def test_a_replayed_plan_is_what_is_dispatched(ranks, case):
+    """Every expert receives the pairs one process's replay routes to it, from both ranks,
+    and the plan moves them off the live choice."""
+    want = _one_process(*case)
+    used = want["used"].long()  # [N, L, k]: the experts each layer used in one process
+    experts = ranks[0][case]["counts"].shape[-1]
+    dispatched = [torch.bincount(layer.flatten(), minlength=experts) for layer in used.unbind(1)]
+    for rank in ranks:
+        assert torch.equal(rank[case]["counts"].sum(1), torch.stack(dispatched))
+    live = _one_process(case[0], "live")["used"].long()
+    assert (live != used).any()
+
+
+@pytest.mark.slow
+def test_the_shards_gather_load_and_measure(ranks):
+    """Whole tensors are the unsharded model's; a loaded whole tensor lands as this rank's
+    slice; the metrics count each layer's dispatch and reset when taken."""
+    case = CASES[0]
+    params = _one_process(*case)["params"]
+    for r, rank in enumerate(ranks):
+        got = rank[case]
+        assert got["whole_equal"]
+        name, loaded = got["loaded"]
+        local = params[name].shape[0] // WORLD
+        assert torch.equal(loaded, 2 * params[name].detach()[r * local : (r + 1) * local])
+        metrics = got["metrics"]
+        held = sum(params[name].numel() for name in got["names"]) // WORLD
+        assert metrics["ep/expert_bytes"] == 4 * held  # float32
+        assert 1 <= metrics["ep/load_imbalance/mean"] <= metrics["ep/load_imbalance/max"] <= WORLD
+        assert got["after_take"] == 0
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line(ranks):
+    refused = ranks[0]["refused"]
+    for family in ("dbrx", "llama4_text"):
+        assert refused[family].startswith(f"trainer.expert_parallel: the {family} family's")
+    assert "jetmoe model has no top-k routed" in refused["jetmoe"]
+    assert refused["indivisible"] == (
+        "trainer.expert_parallel=2: the qwen2_moe model's 5 experts do not divide among 2 ranks"
+    )
+    assert all("\n" not in message for message in refused.values())
+
+
+def _simulated(experts_by_rank: list[torch.Tensor], num_experts: int) -> list[torch.Tensor]:
+    """The dispatch and combine of ``ExpertParallelExperts.forward`` with the exchanges done
+    by hand: each rank's [S] pairs' experts in, each pair's output out, where an expert's
+    output for a pair is 1000 * expert + (rank, pair) tagged as it was sent."""
+    ep = len(experts_by_rank)
+    local = num_experts // ep
+    routes = [route(experts, num_experts) for experts in experts_by_rank]
+    matrix = torch.stack([counts for _, counts in routes])  # [ep, E]
+    send = [matrix[r].view(ep, local).sum(1).tolist() for r in range(ep)]
+    rows = [  # what each pair carries: 10 * its pair number + its rank
+        (10 * order[: sum(send[r])] + r).double() for r, (order, _) in enumerate(routes)
+    ]
+    pieces = [list(rows[r].split(send[r])) for r in range(ep)]
+    outs = []
+    for dest in range(ep):
+        arrived = torch.cat([pieces[src][dest] for src in range(ep)])
+        regroup, sizes = local_order(matrix[:, dest * local : (dest + 1) * local])
+        expert = torch.repeat_interleave(torch.arange(local) + dest * local, sizes)
+        outs.append((arrived[regroup] + 1000 * expert)[inverse(regroup)])
+    back = [
+        list(out.split(matrix[:, d * local : (d + 1) * local].sum(1).tolist()))
+        for d, out in enumerate(outs)
+    ]
+    results = []
+    for r, (order, _) in enumerate(routes):
+        returned = torch.cat([back[dest][r] for dest in range(ep)])
+        dropped = torch.full((order.numel() - returned.numel(),), -1.0, dtype=torch.double)
+        results.append(torch.cat([returned, dropped])[inverse(order)])
+    return results
+
+
+def test_the_dispatch_arithmetic_brings_every_pair_back_from_its_expert():
+    gen = torch.Generator().manual_seed(0)
+    experts = [torch.randint(-1, 9, (size,), generator=gen) for size in (30, 0, 17, 5)]
+    for r, (pairs, out) in enumerate(zip(experts, _simulated(experts, 8), strict=True)):
+        valid = (pairs >= 0) & (pairs < 8)
+        want = 1000 * pairs + 10 * torch.arange(pairs.numel()) + r
+        assert torch.equal(out[valid], want[valid].double())
+        assert (out[~valid] == -1).all()  # null slots are never sent
+
+
+def test_local_order_groups_arrivals_by_expert_then_source():
+    received = torch.tensor([[2, 0, 1], [1, 3, 0]])  # [ep, El]
+    regroup, sizes = local_order(received)
+    # arrivals: rank 0's e0 e0 e2, rank 1's e0 e1 e1 e1
+    assert regroup.tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert sizes.tolist() == [3, 3, 1]
+    order, counts = route(torch.tensor([3, -1, 0, 3, 8, 1]), 4)
+    assert order.tolist()[:4] == [2, 5, 0, 3] and counts.tolist() == [1, 1, 0, 2]
