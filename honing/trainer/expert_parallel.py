@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from honing.errors import ConfigError
-from honing.models.moe import routers_of
+from honing.models.moe import Routers, routers_of
 
 # the fused layouts' parameter names, each of [E, ...]
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -317,18 +317,14 @@ def _check_layout(experts: nn.Module, family: str, num_experts: int) -> None:
         )
 
 
-def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) -> ExpertShards:
-    """Shard the routed experts of ``model`` (a transformers MoE causal LM, maybe in a LoRA
-    wrapper) over the ranks of ``ep`` (a process group or a 1-D mesh): each MoE block's
-    ``experts`` becomes an ``ExpertParallelExperts`` holding this rank's E / ep experts.
-    Every rank of ``ep`` calls it on the same model (the same weights).
+def check_expert_parallel(model: nn.Module, size: int) -> Routers:
+    """The routers of ``model`` if its experts can be sharded over ``size`` ranks (a check
+    that needs no process group: at the start of a run).
 
     Raises:
         ConfigError: the model has no routed MoE layers honing reads, its experts are another
             layout, or its experts do not divide among the ranks.
     """
-    group = _group(ep)
-    size = dist.get_world_size(group)
     routers = routers_of(model)
     if routers is None:
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -336,7 +332,7 @@ def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) 
             f"trainer.expert_parallel: the {family} model has no top-k routed "
             "mixture-of-experts layers that honing reads"
         )
-    for block in routers.blocks:  # all checked before any is replaced
+    for block in routers.blocks:
         if isinstance(block.experts, ExpertParallelExperts):
             raise ValueError("the model's experts are already expert-parallel")
         _check_layout(block.experts, routers.family, routers.num_experts)
@@ -345,6 +341,18 @@ def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) 
             f"trainer.expert_parallel={size}: the {routers.family} model's "
             f"{routers.num_experts} experts do not divide among {size} ranks"
         )
+    return routers
+
+
+def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) -> ExpertShards:
+    """Shard the routed experts of ``model`` (a transformers MoE causal LM, maybe in a LoRA
+    wrapper) over the ranks of ``ep`` (a process group or a 1-D mesh): each MoE block's
+    ``experts`` becomes an ``ExpertParallelExperts`` holding this rank's E / ep experts.
+    Every rank of ``ep`` calls it on the same model (the same weights). Refuses what
+    ``check_expert_parallel`` refuses, before any block is changed."""
+    group = _group(ep)
+    size = dist.get_world_size(group)
+    routers = check_expert_parallel(model, size)
     names = {id(module): name for name, module in model.named_modules()}
     modules = {}
     for block in routers.blocks:
