@@ -143,14 +143,13 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, source: nn.Module, group: dist.ProcessGroup, num_experts: int):
         super().__init__()
-        self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.local = num_experts // self.size
-        self.first = self.rank * self.local
         for key, value in vars(source).items():  # what the family's gate reads
             if not key.startswith("_") and key != "training":
                 setattr(self, key, value)
-        self.num_experts = num_experts
+        self.group, self.num_experts = group, num_experts
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local = num_experts // self.size
+        self.first = self.rank * self.local
         for name, child in source.named_children():  # the activation
             self.add_module(name, child)
         for name, param in source.named_parameters(recurse=False):
@@ -189,19 +188,18 @@ class ExpertParallelExperts(nn.Module):
         """[R, H] rows grouped by local expert (``sizes`` of them each) through their expert."""
         counts = torch.tensor(sizes, device=x.device)
         up = "gate_up_proj" if self.has_gate else "up_proj"
-        h = self._project(x, up, sizes, counts)
-        h = self._gate(self, h) if self._gate is not None else self.act_fn(h)
-        return self._project(h, "down_proj", sizes, counts)
+        with torch.autocast(x.device.type, enabled=False):  # grouped_mm has no autocast
+            h = self._project(x, up, sizes, counts)
+            h = self._gate(self, h) if self._gate is not None else self.act_fn(h)
+            return self._project(h, "down_proj", sizes, counts)
 
     def _project(self, x, name: str, sizes: list[int], counts: torch.Tensor) -> torch.Tensor:
         """One of the experts' linear maps on rows grouped by expert (``counts`` [El] on the
-        device, ``sizes`` on the host), in the autocast dtype where autocast is on (as
-        ``F.linear`` would), else the weight's."""
+        device, ``sizes`` on the host), in the weight's dtype (under autocast too, as
+        transformers' ``grouped_mm`` experts implementation computes them)."""
         weight = getattr(self, name)  # [El, out, in], or [El, in, out] when transposed
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        dtype = dtype or weight.dtype
-        weight, x = weight.to(dtype), x.to(dtype)
+        dtype = weight.dtype
+        x = x.to(dtype)
         by_row = weight if self.is_transposed else weight.transpose(-2, -1)  # [El, in, out]
         if grouped_mm_fits(weight, dtype):
             out = _grouped_mm(x, by_row, counts.cumsum(0).to(torch.int32))
@@ -211,7 +209,7 @@ class ExpertParallelExperts(nn.Module):
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             expert = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
-            out = out + bias.to(dtype)[expert]
+            out = out + bias[expert]
         return out
 
 
