@@ -1,8 +1,8 @@
 """Expert parallelism: two gloo ranks, each holding half the experts of a tiny MoE model and
 feeding its own rows, compute what one process computes on the rows of both: the logprobs,
 each rank's expert gradients (the matching slice of one process's) and the dense gradients
-(summed over the ranks), with routing replay dispatching the replayed experts; and the
-one-line refusals. The split and permutation arithmetic is checked in one process.
+(summed over the ranks), with routing replay dispatching the replayed experts, on the
+model's own forward and honing's packed one; and the one-line refusals. The split and permutation arithmetic is checked in one process.
 
 Tolerance: float32. The experts see the same rows as in one process, but the top-k sum and
 the gradients' sums run in another order (a rank's rows, then the other's), so agreement is
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from honing.errors import ConfigError
 from honing.models.moe import routers_of
 from honing.trainer import expert_parallel
+from honing.trainer.batch import collate, response_logprobs
 from honing.trainer.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
@@ -22,6 +23,7 @@ from honing.trainer.expert_parallel import (
     local_order,
     route,
 )
+from honing.types import Rollout
 from tests.models.moe_families import build, moe_families
 from tests.models.moe_models import moe_model
 from tests.trainer.ranks import on_ranks
@@ -117,8 +119,38 @@ def _on_rank(family: str, plans: str) -> dict:
     }
 
 
+def _rollouts() -> list[Rollout]:
+    """Four samples of other prompt and response lengths; rank r takes 2r and 2r + 1."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        Rollout(
+            prompt_id=f"p{i}",
+            group_index=i,
+            prompt_ids=torch.randint(1, VOCAB, (prompt,), generator=gen).tolist(),
+            response_ids=torch.randint(1, VOCAB, (response,), generator=gen).tolist(),
+            behaviour_logprobs=[-1.0] * response,
+            finish_reason="length",
+            weight_version=0,
+            text="",
+        )
+        for i, (prompt, response) in enumerate([(12, 20), (9, 15), (14, 11), (7, 18)])
+    ]
+
+
+def _packed_logprobs(model, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    """Each sample's response logprobs from honing's packed forward (the lean path)."""
+    batch = collate(rollouts, pad_id=PAD, device=torch.device("cpu"))
+    with torch.no_grad():
+        logprobs, _ = response_logprobs(model, batch, packed=True)
+    return [logprobs[i, : len(r.response_ids)] for i, r in enumerate(rollouts)]
+
+
 def _all_cases() -> dict:
-    return {case: _on_rank(*case) for case in CASES}
+    results = {case: _on_rank(*case) for case in CASES}
+    model = _model("qwen3_moe")
+    apply_expert_parallel(model, dist.group.WORLD)
+    results["packed"] = _packed_logprobs(model, _rollouts()[2 * dist.get_rank() :][:2])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +190,13 @@ def test_a_replayed_plan_is_what_is_dispatched(ranks, case):
         assert torch.equal(rank[case]["counts"].sum(1), torch.stack(dispatched))
     live = _one_process(case[0], "live")["used"].long()
     assert (live != used).any()
+
+
+@pytest.mark.slow
+def test_the_packed_forward_runs_on_the_shards(ranks):
+    want = _packed_logprobs(_model("qwen3_moe"), _rollouts())
+    for got, row in zip(ranks[0]["packed"] + ranks[1]["packed"], want, strict=True):
+        torch.testing.assert_close(got, row, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
