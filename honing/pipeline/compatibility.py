@@ -42,6 +42,7 @@ FEATURES = (
     Feature("tools", ("rollout.tools=calculator",)),
     Feature("SP", ("trainer.sequence_parallel=2",), world_size=2),
     Feature("FSDP", ("trainer.strategy=fsdp",), world_size=2),
+    Feature("TP", ("trainer.tensor_parallel=2",), world_size=2),
     Feature("torchrun", (), world_size=2),
     Feature("Ray", ("pipeline.backend=ray",)),
     Feature("R3", ("algorithm.routing_replay=R3",)),

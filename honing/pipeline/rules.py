@@ -40,8 +40,10 @@ def check_config(config: Config, world_size: int = 1) -> None:
     _backend(config, world_size)
     if config.pipeline.backend == "ray":  # the trainer actors are the ranks
         world_size = config.pipeline.trainer_workers
-    _sequence_parallel(config, world_size)
-    _ranks(config, world_size // config.trainer.sequence_parallel)
+    _trainer_parallel(config, world_size)
+    _ranks(
+        config, world_size // (config.trainer.sequence_parallel * config.trainer.tensor_parallel)
+    )
     _vllm(config, world_size)
 
 
@@ -337,29 +339,45 @@ def _ranks(config: Config, world_size: int) -> None:
         )
 
 
-def _sequence_parallel(config: Config, world_size: int) -> None:
-    """``trainer.sequence_parallel=N``: N torchrun ranks share each sequence, so the ranks
-    come in whole groups of N. What the model must be (heads N divides, full causal
-    attention, its family) is checked when it has loaded."""
-    n = config.trainer.sequence_parallel
-    if n == 1:
-        return
-    key = f"trainer.sequence_parallel={n}"
+def _trainer_parallel(config: Config, world_size: int) -> None:
+    """``trainer.sequence_parallel=N`` (N torchrun ranks share each sequence) and
+    ``trainer.tensor_parallel=N`` (N ranks split each weight): the ranks come in whole groups
+    of N; tensor parallelism does not combine with SP, LoRA or dynamic offload yet. What the
+    model must be (heads N divides, its family, full causal attention) is checked when it has
+    loaded."""
+    t = config.trainer
     ray = config.pipeline.backend == "ray"
     ranks = "trainer actors" if ray else "torchrun ranks"
-    launch = (
-        f"set pipeline.trainer_workers={n}" if ray else f"launch with torchrun --nproc_per_node {n}"
-    )
-    if world_size <= 1:
-        raise ConfigError(
-            f"{key} needs {ranks} to share each sequence; {launch} (or a multiple), or set "
-            "trainer.sequence_parallel=1"
+    for name, n, what in (
+        ("sequence_parallel", t.sequence_parallel, "share each sequence"),
+        ("tensor_parallel", t.tensor_parallel, "split each weight"),
+    ):
+        key = f"trainer.{name}={n}"
+        launch = (
+            f"set pipeline.trainer_workers={n}"
+            if ray
+            else f"launch with torchrun --nproc_per_node {n}"
         )
-    if world_size % n:
-        raise ConfigError(
-            f"{key}: {world_size} {ranks} do not split into groups of {n}; {launch} or a "
-            "multiple of it"
-        )
+        if n > 1 and world_size <= 1:
+            raise ConfigError(
+                f"{key} needs {ranks} to {what}; {launch} (or a multiple), or set trainer.{name}=1"
+            )
+        if world_size % n:
+            raise ConfigError(
+                f"{key}: {world_size} {ranks} do not split into groups of {n}; {launch} or a "
+                "multiple of it"
+            )
+    for other, value, off in (
+        ("trainer.sequence_parallel", t.sequence_parallel, 1),
+        ("model.lora_rank", config.model.lora_rank, 0),
+        ("memory.dynamic_offload", config.memory.dynamic_offload, False),
+    ):
+        if t.tensor_parallel > 1 and value != off:
+            raise ConfigError(
+                f"trainer.tensor_parallel={t.tensor_parallel} does not combine with "
+                f"{other}={str(value).lower()} yet: set {other}={str(off).lower()} or "
+                "trainer.tensor_parallel=1"
+            )
 
 
 def custom_resources(text: str) -> dict[str, float]:
@@ -418,7 +436,7 @@ def _vllm(config: Config, world_size: int) -> None:
     has are off; under torchrun every rank holds an engine, shared by
     ``rollout.tensor_parallel`` consecutive ranks."""
     rollout = config.rollout
-    _tensor_parallel(config, world_size)
+    _vllm_tensor_parallel(config, world_size)
     if rollout.engine != "vllm":
         return
     from honing.rollout.vllm.engine import vllm_available
@@ -445,7 +463,7 @@ def _vllm(config: Config, world_size: int) -> None:
         )
 
 
-def _tensor_parallel(config: Config, world_size: int) -> None:
+def _vllm_tensor_parallel(config: Config, world_size: int) -> None:
     """``rollout.tensor_parallel=N``: vLLM in each torchrun rank, shared by N consecutive
     ranks that make every generate call together."""
     n = config.rollout.tensor_parallel
