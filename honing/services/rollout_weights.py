@@ -26,7 +26,10 @@ server is a 409.
 
 from __future__ import annotations
 
+import json
+import math
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,18 +58,62 @@ def from_directory(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def from_body(data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file sent as a request body.
+# safetensors' dtype names
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def from_body(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file sent as a request body, read in place: each tensor a
+    view of ``data`` (which it keeps alive), none copied; one whose bytes are not aligned to
+    its dtype is copied out.
 
     Raises:
-        Refused: the body is not a safetensors file.
+        Refused: the body is not a safetensors file (a header that does not parse, a dtype it
+            does not name, a tensor whose bytes are not its shape's or lie outside the body).
     """
-    from safetensors.torch import load
-
     try:
-        return load(data)
+        with warnings.catch_warnings():  # a bytes body is read-only: its views are only read
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            return _tensors_in(memoryview(data))
+    except Refused:
+        raise
     except Exception as err:  # noqa: BLE001 - any parse failure is the client's
         raise Refused(f"body: not a safetensors file ({err})") from None
+
+
+def _tensors_in(data: memoryview) -> dict[str, torch.Tensor]:
+    if len(data) < 8:
+        raise Refused("body: not a safetensors file (shorter than its header's length)")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise Refused("body: not a safetensors file (its header runs past the body)")
+    header = json.loads(bytes(data[8 : 8 + length]))
+    start, tensors = 8 + length, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise Refused(f"body: {name} has dtype {entry['dtype']}, which honing does not read")
+        shape = [int(size) for size in entry["shape"]]
+        begin, end = (int(offset) for offset in entry["data_offsets"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(data) - start:
+            raise Refused(f"body: not a safetensors file ({name} lies outside the body)")
+        if end - begin != math.prod(shape) * itemsize:
+            raise Refused(f"body: not a safetensors file ({name}'s bytes are not its shape's)")
+        view = data[start + begin : start + end]
+        if not view.nbytes:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif (start + begin) % itemsize:  # unaligned: a copy of its own
+            tensors[name] = torch.frombuffer(bytearray(view), dtype=dtype).view(shape)
+        else:
+            tensors[name] = torch.frombuffer(view, dtype=dtype).view(shape)
+    return tensors
 
 
 def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
@@ -93,10 +140,18 @@ def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
                 f"(cast to the served {target.dtype})"
             )
         cast = tensor.to(target.dtype)  # the same tensor when the dtypes agree
-        if not bool(torch.isfinite(cast).all()):  # NaN and infinity stay so when cast
-            if cast is tensor or not bool(torch.isfinite(tensor).all()):
+        if not _finite(cast):  # NaN and infinity stay so when cast
+            if cast is tensor or not _finite(tensor):
                 raise Refused(f"weights: {name} has non-finite values (NaN or infinity)")
             raise Refused(f"weights: {name} has values beyond {target.dtype}'s range")
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite: its largest and smallest are (a NaN is both), two
+    reductions over the tensor with no mask of its size."""
+    if not tensor.numel():
+        return True
+    return bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin()))
 
 
 def check_complete(names, own: dict[str, torch.Tensor]) -> None:
