@@ -52,6 +52,8 @@ ONE_WORKER = {
     "tests/rollout/test_openai_engine.py": "rollout-servers",
     "tests/rollout/test_vllm_server.py": "vllm-server",
     "tests/monitor/test_trackers_e2e.py": "trackers",
+    # a module-scoped pair of spawned ranks serves every test of the module: one worker
+    "tests/trainer/test_expert_parallel.py": "expert-parallel",
 }
 
 
