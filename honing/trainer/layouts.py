@@ -120,8 +120,9 @@ class Layout(ABC):
         module."""
 
     def gathered(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
-        """Each (name, tensor) piece whole (``whole_pieces``)."""
-        return whole_pieces(pieces)
+        """Each (name, tensor) piece whole (``whole_pieces``; a sharded module's, as its
+        export writes them, with a tied tensor once)."""
+        return whole_pieces(pieces, tied_once=self.collective)
 
     def load_whole(self, module: nn.Module, pieces) -> list[str]:
         """Copies whole tensors into ``module`` by name (this rank's shards of them when
@@ -134,20 +135,23 @@ class Layout(ABC):
         return compute(batch)
 
 
-def whole_pieces(pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
+def whole_pieces(
+    pieces: Iterable[tuple[str, torch.Tensor]], tied_once: bool = False
+) -> Iterator[tuple]:
     """Each (name, tensor) piece whole: a DTensor (a shard of FSDP's or a slice of tensor
     parallelism's) gathered from every rank as its turn comes (every rank takes part and gets
-    it), and not given again when it is tied to one already given (embeddings, head)."""
+    it). A DTensor tied to one already given (embeddings, head) is not given again, nor with
+    ``tied_once`` a plain tensor (whole on every rank under tensor parallelism)."""
     seen = set()
     for name, tensor in pieces:
-        if isinstance(tensor, DTensor):
-            local = tensor.to_local()
+        dtensor = isinstance(tensor, DTensor)
+        if dtensor or tied_once:
+            local = tensor.to_local() if dtensor else tensor
             storage = (local.untyped_storage().data_ptr(), local.storage_offset())
             if storage in seen:
                 continue
             seen.add(storage)
-            tensor = tensor.full_tensor()
-        yield name, tensor
+        yield name, tensor.full_tensor() if dtensor else tensor
 
 
 def copy_whole(module: nn.Module, pieces) -> list[str]:

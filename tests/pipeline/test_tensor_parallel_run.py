@@ -30,17 +30,21 @@ def test_tensor_parallel_ranks_train_what_one_process_does_and_resume_in_one(
     policy gathered into Hugging Face files, the critic and the optimizers' slices in shards),
     step 2 resumed in one process; each step's export where an uninterrupted process's is."""
     args = (micro_model_dir, digit_reward)
-    kl = PPO | {"algorithm.kl_coef": 0.05}
+    kl = PPO | {"algorithm.kl_coef": 0.05, "trainer.critic_warmup_steps": 0}
     whole, whole_weights, _ = run(tmp_path, "whole", *args, 1, 2, strategy="replicate", **kl)
     split, _, _ = run(tmp_path, "hops", *args, 2, 1, strategy="replicate", **kl | TP)
     assert split[0]["critic/score/mean"] == whole[0]["critic/score/mean"]  # the same samples
     assert split[0]["dist/world_size"] == 2.0
     before = initial_weights(micro_model_dir)
-    want = _tied(_export(tmp_path, "whole", 1))
-    assert_same_moves(_tied(_export(tmp_path, "hops", 1)), want, before)
+    pairs = [(_export(tmp_path, "hops", 1), _export(tmp_path, "whole", 1))]
     resumed, weights, _ = run(tmp_path, "hops", *args, 1, 2, strategy="replicate", **kl)
     assert [m["step"] for m in resumed] == [1, 2]
-    assert_same_moves(_tied(weights), _tied(whole_weights), before)
+    for got, want in pairs + [(weights, whole_weights)]:
+        assert_same_moves(_tied(got), _tied(want), before)
+        gap = max(float((got[name] - want[name]).abs().max()) for name in want)
+        moved = max(float((want[name] - before[name]).abs().max()) for name in want)
+        print(f"largest gap {gap:.2e} moved {moved:.2e}")
+        assert gap < 1e-4
 
 
 @pytest.mark.parametrize(
