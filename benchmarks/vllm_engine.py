@@ -47,6 +47,11 @@ MODELS = {  # name: (spec, prompts per call)
     "0.5B": (ModelSpec("q05b", 896, 24, 14, 2, 4864, vocab_size=151936, max_positions=1024), 1),
 }
 GROUPS, LENGTHS, PROMPT_TOKENS = (8, 16), (64, 512), 32
+STEP_SHAPES = {  # name: (spec, prompts, group, new tokens) of the ``step`` workloads
+    "47M": (M50, 8, 8, 128),
+    "0.5B": (MODELS["0.5B"][0], 4, 8, 64),
+}
+PHASES = ("gen", "reward", "old", "update", "sync")
 
 
 def _engine(name: str, model_dir: Path):
@@ -160,19 +165,31 @@ def speed(args) -> dict:
     return {"runs": runs, "calls": args.calls, "rounds": args.rounds}
 
 
-def _train(engine: str, steps: int, model_dir: Path, data: dict, out: Path) -> dict:
-    work = Workload("m50_t128", M50, 128, 0.0, steps, 1)
+def _train(engine: str, shape: str, steps: int, data: dict, out: Path) -> dict:
+    spec, prompts, group, tokens = STEP_SHAPES[shape]
+    work = Workload(f"{spec.name}_t{tokens}", spec, tokens, 0.0, steps, 1)
+    overrides = {
+        "rollout.batch_size": prompts,
+        "rollout.group_size": group,
+        "rollout.engine": engine,
+    }
     command = [sys.executable, "-m", "honing.cli", "train"]
-    command += honing_overrides(work, model_dir, data, 2)
-    command += [f"rollout.engine={engine}", "--output-dir", str(out), "--resume", "never"]
+    command += [
+        item
+        for item in honing_overrides(work, WORK / "models" / spec.name, data, 2)
+        if item.split("=")[0] not in overrides
+    ]
+    command += [f"{key}={value}" for key, value in overrides.items()]
+    command += ["--output-dir", str(out), "--resume", "never"]
     subprocess.run(["rm", "-rf", str(out)], check=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.with_suffix(".log").open("w") as sink:
+    with out.with_name(out.name + ".log").open("w") as sink:
         subprocess.run(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, check=True)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if m.get("step", 0) >= 2 and "timing_s/gen" in m]
-    keys = ("timing_s/step", "timing_s/gen", "timing_s/sync", "timing_s/old")
+    keys = ["timing_s/step", *(f"timing_s/{phase}" for phase in PHASES)]
     figures = {key: statistics.median(m.get(key, 0.0) for m in metrics) for key in keys}
+    figures["response_tokens"] = statistics.median(m["response_length/mean"] for m in metrics)
     figures["rollout_mismatch/logprob_diff_max"] = max(
         m.get("rollout_mismatch/logprob_diff_max", 0.0) for m in metrics
     )
@@ -180,15 +197,31 @@ def _train(engine: str, steps: int, model_dir: Path, data: dict, out: Path) -> d
 
 
 def step(args) -> dict:
-    model_dir = WORK / "models" / M50.name
-    build_model_dir(M50, model_dir, SEED)
+    from benchmarks.step_flops import matmul_peaks, prompt_tokens
+
     data = peer_data(WORK, SEED)
-    runs: dict = {engine: [] for engine in ENGINES}
-    for round_index, engine in alternating(args.rounds, ENGINES):
-        out = WORK / "runs" / "vllm_step" / f"{round_index}_{engine}"
-        runs[engine].append(_train(engine, args.steps, model_dir, data, out))
-        print(f"round {round_index} {engine}: {runs[engine][-1]}", flush=True)
-    return {"runs": runs, "rounds": args.rounds, "steps": args.steps}
+    report: dict = {"shapes": {}, "rounds": args.rounds, "steps": args.steps}
+    for shape in args.models.split(","):
+        spec, prompts, group, tokens = STEP_SHAPES[shape]
+        model_dir = WORK / "models" / spec.name
+        build_model_dir(spec, model_dir, SEED)
+        prompt = prompt_tokens(model_dir, data["train"])
+        rows = prompts * group
+        runs: dict = {engine: [] for engine in ENGINES}
+        for round_index, engine in alternating(args.rounds, ENGINES):
+            out = WORK / "runs" / "vllm_step" / f"{shape}_{round_index}_{engine}"
+            runs[engine].append(_train(engine, shape, args.steps, data, out))
+            print(f"{shape} round {round_index} {engine}: {runs[engine][-1]}", flush=True)
+        report["shapes"][shape] = {
+            "spec": spec.__dict__,
+            "prompts": prompts,
+            "group": group,
+            "max_new_tokens": tokens,
+            "prompt_tokens": prompt,
+            "peaks": matmul_peaks(spec, rows, round(rows * (prompt + tokens))),
+            "runs": runs,
+        }
+    return report
 
 
 def demo(args) -> dict:
@@ -222,10 +255,12 @@ WORKLOADS = {
     "the median call. Sync: the model's own tensors in the trainer's 256 MB buckets into vLLM; "
     "sync extra MB: the peak resident memory above the level before the sync (the 0.5B model's "
     "545 MB embedding is a bucket of its own, sent under both tied names).",
-    "step": "`honing train` on the ~47M-parameter Qwen2 (32k vocabulary) of the grpo_step "
-    "benchmark: 8 prompts x 8, 128 new tokens, medians of steps 2-4. The old-logprob pass is "
-    "the trainer's forward that gives the engine/trainer gap (rollout_mismatch/*), every step "
-    "for an engine with weights of its own.",
+    "step": "`honing train` with each engine on the grpo_step benchmark's ~47M-parameter Qwen2 "
+    "(32k vocabulary; 8 prompts x 8, 128 new tokens) and on the 0.5B shape of `speed` (Qwen2.5-"
+    "0.5B's dimensions, 152k vocabulary; 4 prompts x 8, 64 new tokens): fp32, 2 threads, one "
+    "optimizer step per batch, no KL; the medians of the steps after the first. An engine with "
+    "weights of its own has the update's forward give the engine/trainer gap "
+    "(rollout_mismatch/*): no separate old-logprob pass runs.",
     "demo": "`honing train examples/arithmetic.yaml` (500 GRPO steps on the built-in tiny "
     "model) with each engine; greedy validation accuracy on 200 held-out problems.",
 }
@@ -241,7 +276,7 @@ def markdown(command: str, report: dict) -> str:
         WORKLOADS[command],
         "",
     ]
-    runs = report["runs"]
+    runs = report.get("runs", {})
     if command == "speed":
         lines += [
             "Generation tokens/s (median over rounds of each process's median call); ratio "
@@ -273,17 +308,9 @@ def markdown(command: str, report: dict) -> str:
                 f"{med['sync_extra_mb']:.0f} | {med['model_mb']:.0f} |"
             )
     elif command == "step":
-        lines += [
-            "| engine | step s | gen s | sync s | old-logprob pass s | largest logprob gap |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for engine, results in runs.items():
-            med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-            lines.append(
-                f"| {engine} | {med['timing_s/step']:.2f} | {med['timing_s/gen']:.2f} | "
-                f"{med['timing_s/sync']:.3f} | {med['timing_s/old']:.2f} | "
-                f"{max(r['rollout_mismatch/logprob_diff_max'] for r in results):.1e} |"
-            )
+        from benchmarks.step_flops import step_tables
+
+        lines += step_tables(report)
     else:
         lines += ["| engine | greedy val accuracy | pass@8 | training s |", "|---|---|---|---:|"]
         for engine, r in runs.items():
@@ -302,6 +329,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--engine", choices=ENGINES)
     parser.add_argument("--model", choices=tuple(MODELS))
+    parser.add_argument("--models", default="47M,0.5B", help="step: the shapes to run")
     args = parser.parse_args()
     if args.command == "_child":
         print(json.dumps(child(args.engine, args.model, args.calls)), flush=True)
