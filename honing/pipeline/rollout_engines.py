@@ -3,20 +3,23 @@
 at ``rollout.endpoints`` (``remote_engine``), wrapped for ``rollout.tools``; and what
 ``rollout.engine=auto`` (the default) resolves to (``choose_engine``).
 
-``auto``: vLLM in process on a GPU where it is installed, can run the run's settings and the
-policy is large enough for it to pay; honing's own engine otherwise.
+``auto``: vLLM in process where it is installed, can run the run's settings and the policy is
+large enough for it to pay (20M parameters); honing's own engine otherwise. On a CPU it also
+takes the update to give the engine/trainer gap (one optimizer step per batch, no KL in the
+reward): where a separate logprob pass runs, honing's engine (which shares the policy and
+needs none) is taken.
 
 Measured side by side on a 2-core CPU (benchmarks/results/vllm_speed.md, vllm_step.md):
 honing's engine generated about twice as fast as vLLM on a 0.87M-parameter model (vLLM's
 per-step scheduling costs more than such a model's arithmetic); vLLM generated faster from
-~40M parameters up (2.2-2.7x at 0.5B). But an engine with weights of its own cost the trainer
-a logprob pass per batch then (for the engine/trainer gap logged every step, which one
-optimizer step per batch now takes from the update's forward), and on a CPU that forward
-pass cost more than vLLM saved: a step of the ~47M model took 32.8 s with vLLM against
-29.0 s with honing's engine. On a GPU generation is most of a step and vLLM's lead is
-larger (paged attention, CUDA graphs), so there it is taken from 20M parameters. The choice is
-made once, before the run's config is checked; for a model that large it is said in one line
-(below that, honing's engine is taken without a word).
+~40M parameters up (2.2-2.7x at 0.5B). With one optimizer step per batch the update's forward
+gives the gap, and a step with vLLM costs its generation, the update and a sync: 29.1 s against
+33.9 s with honing's engine at ~47M parameters, 72.0 s against 94.2 s at 0.5B (generation
+8.2 s against 11.1 s, and 18.0 s against 32.1 s). With a separate logprob pass the ~47M step
+took 32.8 s with vLLM against 29.0 s with honing's engine. On a GPU generation is most of a
+step and vLLM's lead is larger (paged attention, CUDA graphs). The choice is made once, before
+the run's config is checked; for a model that large it is said in one line (below that,
+honing's engine is taken without a word).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from honing.trainer.engine import TrainerEngine
 
 # vLLM in process from this many parameters up (between the 0.87M and ~40M models measured)
 VLLM_FROM_PARAMETERS = 20_000_000
+STEP_RESULTS = "benchmarks/results/vllm_step.md"
 
 
 def choose_engine(config: Config, world_size: int = 1, log=print) -> Config:
@@ -57,15 +61,34 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
     if count is None or count < VLLM_FROM_PARAMETERS:
         return "transformers", ""  # honing's is the faster engine (or the load will say why)
     size = f"{count / 1e6:.0f}M parameters"
-    if device_type(config) != "cuda":
-        return "transformers", f"{size}; on a CPU honing's engine trains faster per step"
     if importlib.util.find_spec("vllm") is None:
         return "transformers", f'{size}; vLLM is not installed: pip install -e ".[vllm]"'
+    if device_type(config) != "cuda" and logprob_pass(config):
+        return "transformers", (
+            f"{size}; with {logprob_pass(config)} an engine with weights of its own costs the "
+            "trainer a logprob pass per batch, which on a CPU outweighs what vLLM saves "
+            f"({STEP_RESULTS})"
+        )
     try:  # what vLLM in process takes is the rules' to say
         check_config(replace(config, rollout=replace(config.rollout, engine="vllm")), world_size)
     except ConfigError as err:
         return "transformers", f"{size}; vLLM in process does not take this run: {err}"
-    return "vllm", f"{size}: on a GPU vLLM pays from {VLLM_FROM_PARAMETERS // 10**6}M"
+    return "vllm", f"{size}: vLLM pays from {VLLM_FROM_PARAMETERS // 10**6}M ({STEP_RESULTS})"
+
+
+def logprob_pass(config: Config) -> str:
+    """What makes the trainer run a logprob pass over each batch an engine with weights of its
+    own sampled (``experience.needs_old_logprobs``, from the config alone): several
+    optimizer steps per batch, or the KL in the reward; "" when the update's forward gives
+    the gap."""
+    trainer, algo = config.trainer, config.algorithm
+    rows = config.rollout.batch_size * config.rollout.group_size
+    mini = trainer.mini_batch_size * config.rollout.group_size or rows
+    if trainer.ppo_epochs * -(-rows // mini) > 1:
+        return "several optimizer steps per batch (trainer.ppo_epochs, trainer.mini_batch_size)"
+    if algo.kl_in_reward and algo.kl_coef > 0:
+        return "the KL in the reward (algorithm.kl_in_reward)"
+    return ""
 
 
 def parameters(config: Config) -> int | None:

@@ -55,22 +55,51 @@ def test_the_builtin_model_is_honing_s(large_config_dir):
     )
 
 
-def test_on_a_cpu_a_large_model_is_honing_s_too(large_config_dir):
-    """On a CPU the logprob pass an engine of its own costs the trainer outweighs what vLLM
-    saves in generation (benchmarks/results/vllm_step.md)."""
+@needs_vllm
+def test_on_a_cpu_a_large_model_with_one_optimizer_step_is_vllm_s(large_config_dir):
+    """The update's forward gives the engine/trainer gap: a step with vLLM costs no logprob
+    pass, and vLLM generates faster from 20M (benchmarks/results/vllm_step.md)."""
     engine, said = _chosen(large_config_dir, **{"model.device": "cpu"})
-    assert engine == "transformers"
+    assert engine == "vllm"
     assert said == [
-        "rollout.engine=auto: transformers (57M parameters; on a CPU honing's engine trains "
-        "faster per step)"
+        "rollout.engine=auto: vllm (57M parameters: vLLM pays from 20M "
+        "(benchmarks/results/vllm_step.md))"
     ]
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"trainer.ppo_epochs": 2}, "several optimizer steps per batch"),
+        ({"trainer.mini_batch_size": 4}, "several optimizer steps per batch"),
+        ({"algorithm.kl_in_reward": True, "algorithm.kl_coef": 0.1}, "the KL in the reward"),
+    ],
+)
+def test_on_a_cpu_a_separate_logprob_pass_keeps_honing_s_engine(
+    large_config_dir, overrides, reason
+):
+    """Where the trainer would weigh each batch in a pass of its own, honing's engine (which
+    shares the policy and needs none) trains faster per step on a CPU."""
+    engine, said = _chosen(large_config_dir, **{"model.device": "cpu"} | overrides)
+    assert engine == "transformers"
+    assert said[0].startswith(f"rollout.engine=auto: transformers (57M parameters; with {reason}")
+
+
+def test_one_optimizer_step_per_batch_needs_no_logprob_pass():
+    config = build_config({"rollout.batch_size": 4, "trainer.mini_batch_size": 4})
+    assert engine_choice.logprob_pass(config) == ""
+    assert engine_choice.logprob_pass(build_config({"trainer.mini_batch_size": 15})) != ""
 
 
 @needs_vllm
 def test_on_a_gpu_a_large_model_is_vllm_s(large_config_dir, on_cuda):
     engine, said = _chosen(large_config_dir)
     assert engine == "vllm"
-    assert said == ["rollout.engine=auto: vllm (57M parameters: on a GPU vLLM pays from 20M)"]
+    assert said == [
+        "rollout.engine=auto: vllm (57M parameters: vLLM pays from 20M "
+        "(benchmarks/results/vllm_step.md))"
+    ]
 
 
 @pytest.mark.parametrize(
