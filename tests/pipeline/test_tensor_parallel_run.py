@@ -41,10 +41,7 @@ def test_tensor_parallel_ranks_train_what_one_process_does_and_resume_in_one(
     assert [m["step"] for m in resumed] == [1, 2]
     for got, want in pairs + [(weights, whole_weights)]:
         assert_same_moves(_tied(got), _tied(want), before)
-        gap = max(float((got[name] - want[name]).abs().max()) for name in want)
-        moved = max(float((want[name] - before[name]).abs().max()) for name in want)
-        print(f"largest gap {gap:.2e} moved {moved:.2e}")
-        assert gap < 1e-4
+        assert max(float((got[name] - want[name]).abs().max()) for name in want) < 1e-4
 
 
 @pytest.mark.parametrize(
