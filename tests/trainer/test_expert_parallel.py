@@ -2,7 +2,8 @@
 feeding its own rows, compute what one process computes on the rows of both: the logprobs,
 each rank's expert gradients (the matching slice of one process's) and the dense gradients
 (summed over the ranks), with routing replay dispatching the replayed experts, on the
-model's own forward and honing's packed one; and the one-line refusals. The split and permutation arithmetic is checked in one process.
+model's own forward and honing's packed one; and the one-line refusals. The split and
+permutation arithmetic is checked in one process.
 
 Tolerance: float32. The experts see the same rows as in one process, but the top-k sum and
 the gradients' sums run in another order (a rank's rows, then the other's), so agreement is
