@@ -52,8 +52,12 @@ ONE_WORKER = {
     "tests/rollout/test_openai_engine.py": "rollout-servers",
     "tests/rollout/test_vllm_server.py": "vllm-server",
     "tests/monitor/test_trackers_e2e.py": "trackers",
-    # a module-scoped pair of spawned ranks serves every test of the module: one worker
+    # a module-scoped set of spawned ranks serves every test of the module: one worker, so
+    # that the ranks are spawned once, not on each worker that runs one of its tests
     "tests/trainer/test_expert_parallel.py": "expert-parallel",
+    "tests/trainer/test_sequence_families.py": "sequence-families",
+    "tests/trainer/test_sequence_routing.py": "sequence-routing",
+    "tests/trainer/test_sequence_parallel.py": "sequence-parallel",
 }
 
 
