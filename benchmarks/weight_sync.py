@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,7 @@ from benchmarks.vllm_engine import MODELS
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("vllm", "vllm_server", "honing_server", "honing_server_shm")
 THREADS = 2
+SHM_DIR = "/dev/shm/honing-weight-sync"
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -174,6 +176,7 @@ def child(target: str, model_name: str, bucket_mb: int, syncs: int) -> dict:
             extra_server.append(there.extra if there else 0.0)
         engine.close()
     finally:
+        shutil.rmtree(SHM_DIR, ignore_errors=True)  # disk keeps the newest version's shards
         for server in servers:
             if target == "vllm_server":
                 os.killpg(server.pid, signal.SIGKILL)
@@ -220,7 +223,7 @@ def _engine(target: str, model_name: str, model_dir: Path, tokenizer, trainer, s
         server, url = start_service("rollout", "--model", str(model_dir), timeout_s=600)
     servers.append(server)
     sync = {"vllm_server": "vllm", "honing_server": "tensors"}.get(target, "disk")
-    shm = "/dev/shm/honing-weight-sync" if sync == "disk" else ""
+    shm = SHM_DIR if sync == "disk" else ""
     return OpenAIEngine(
         [url], tokenizer, weight_sync=sync, weight_dir=shm, model_dir=str(model_dir)
     )
