@@ -231,6 +231,25 @@ def revision() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def save_results(name: str, report: dict, markdown, command: str, started: float, code: str):
+    """``report`` with the machine, the revision ``code``, ``command`` and the wall time since
+    ``started``, written as benchmarks/results/NAME.json and, as ``markdown(report)`` renders
+    it, NAME.md (printed too)."""
+    from benchmarks.moe import cpu_model
+
+    report |= {
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+        "revision": code,
+        "command": command,
+        "wall_s": time.time() - started,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+
+
 @contextlib.contextmanager
 def held(lock: str):
     """Holds an exclusive ``flock`` on ``lock`` (nothing when empty): timing runs on a shared

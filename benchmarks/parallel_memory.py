@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -47,8 +46,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.grpo_step import RESULTS, revision
-from benchmarks.moe import cpu_model
+from benchmarks.grpo_step import revision, save_results
 
 MB = 1e6
 VOCAB = 4096
@@ -332,22 +330,11 @@ def main() -> None:
         key = f"{LABEL[kind]}={size}"
         runs[key] = run(kind, size, args.rows, args.tokens)
         print(f"{key}: done", flush=True)
-    report = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
-        "revision": code,
-        "command": "python -m benchmarks.parallel_memory"
-        + (f" --rows {args.rows}" if args.rows != 4 else "")
-        + (f" --tokens {args.tokens}" if args.tokens != 128 else ""),
-        "wall_s": time.time() - started,
-        "rows": args.rows,
-        "tokens": args.tokens,
-        "runs": runs,
-        "checks": checks(runs),
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "parallel_memory.json").write_text(json.dumps(report, indent=1))
-    (RESULTS / "parallel_memory.md").write_text(markdown(report))
-    print(markdown(report))
+    command = "python -m benchmarks.parallel_memory"
+    command += f" --rows {args.rows}" if args.rows != 4 else ""
+    command += f" --tokens {args.tokens}" if args.tokens != 128 else ""
+    report = {"rows": args.rows, "tokens": args.tokens, "runs": runs, "checks": checks(runs)}
+    save_results("parallel_memory", report, markdown, command, started, code)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Each writes benchmarks/results/vllm_<command>.{json,md}. Run it alone on the mac
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,9 +36,16 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.grpo_step import M50, RESULTS, SEED, WORK, Workload, honing_overrides, revision
+from benchmarks.grpo_step import (
+    M50,
+    SEED,
+    WORK,
+    Workload,
+    honing_overrides,
+    revision,
+    save_results,
+)
 from benchmarks.grpo_workloads import ModelSpec, alternating, build_model_dir, peer_data
-from benchmarks.moe import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("transformers", "vllm")
@@ -336,16 +344,9 @@ def main() -> None:
         return
     started, code = time.time(), revision()
     report = {"speed": speed, "step": step, "demo": demo}[args.command](args)
-    report |= {
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
-        "revision": code,
-        "command": "python -m benchmarks.vllm_engine " + " ".join(sys.argv[1:]),
-        "wall_s": time.time() - started,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"vllm_{args.command}.json").write_text(json.dumps(report, indent=1))
-    (RESULTS / f"vllm_{args.command}.md").write_text(markdown(args.command, report))
-    print(markdown(args.command, report))
+    command = "python -m benchmarks.vllm_engine " + " ".join(sys.argv[1:])
+    render = functools.partial(markdown, args.command)
+    save_results(f"vllm_{args.command}", report, render, command, started, code)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.grpo_step import RESULTS, SEED, WORK, revision
+from benchmarks.grpo_step import SEED, WORK, revision, save_results
 from benchmarks.grpo_workloads import build_model_dir
-from benchmarks.moe import cpu_model
 from benchmarks.vllm_engine import MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,8 +156,8 @@ def child(target: str, model_name: str, bucket_mb: int, syncs: int) -> dict:
     trainer = TrainedModule(
         "policy", model, torch.optim.SGD(model.parameters(), lr=0.0), bucket_bytes=bucket_mb << 20
     )
-    pieces = [(n, t.numel() * t.element_size()) for b in trainer.weights() for n, t in b]
-    sent, count = sum(size for _, size in pieces), sum(1 for _ in trainer.weights())
+    sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in trainer.weights()]
+    sent, count = sum(sizes), len(sizes)
     servers: list = []
     try:
         engine = _engine(target, model_name, model_dir, tokenizer, trainer, servers)
@@ -296,17 +295,8 @@ def main() -> None:
         print(json.dumps(child(args.target, args.model, args.bucket_mb, args.syncs)), flush=True)
         return
     started, code = time.time(), revision()
-    report = run(args)
-    report |= {
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
-        "revision": code,
-        "command": "python -m benchmarks.weight_sync " + " ".join(sys.argv[1:]),
-        "wall_s": time.time() - started,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "weight_sync.json").write_text(json.dumps(report, indent=1))
-    (RESULTS / "weight_sync.md").write_text(markdown(report))
-    print(markdown(report))
+    command = "python -m benchmarks.weight_sync " + " ".join(sys.argv[1:])
+    save_results("weight_sync", run(args), markdown, command, started, code)
 
 
 if __name__ == "__main__":
