@@ -111,9 +111,7 @@ class Resident:
 def _vllm_server(model_dir: Path, log: Path):
     """A vLLM server with honing's transfer backend on a loopback port (as the tests run
     it), in a process group of its own."""
-    import httpx
-
-    from honing.services.process import free_port
+    from honing.services.process import free_port, wait_healthy
 
     url = f"http://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
@@ -126,17 +124,8 @@ def _vllm_server(model_dir: Path, log: Path):
         process = subprocess.Popen(
             argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vLLM did not answer: {log.read_text()[-3000:]}")
+    wait_healthy(process, url, 600, "vLLM", lambda: log.read_text()[-3000:])
+    return process, url
 
 
 def child(target: str, model_name: str, bucket_mb: int, syncs: int) -> dict:

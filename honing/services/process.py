@@ -34,14 +34,26 @@ def start_service(
     command = [*honing, "serve", *args, "--port", str(port)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    name = f"honing serve {' '.join(args)}"
+    wait_healthy(process, url, timeout_s, name, lambda: process.stderr.read())
+    return process, url
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout_s: float, name: str, output):
+    """Returns once ``url``'s ``/health`` answers 200.
+
+    Raises:
+        RuntimeError: ``process`` exited (with what ``output()`` gives) or did not answer in
+            ``timeout_s`` (it is killed).
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"honing serve {' '.join(args)} exited: {process.stderr.read()}")
+            raise RuntimeError(f"{name} exited: {output()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
+                return
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
-    raise RuntimeError(f"honing serve {' '.join(args)} did not answer /health in {timeout_s} s")
+    raise RuntimeError(f"{name} did not answer /health in {timeout_s} s")

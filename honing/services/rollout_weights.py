@@ -101,7 +101,7 @@ def _tensors_in(data: memoryview) -> dict[str, torch.Tensor]:
             raise Refused(f"body: {name} has dtype {entry['dtype']}, which honing does not read")
         shape = [int(size) for size in entry["shape"]]
         begin, end = (int(offset) for offset in entry["data_offsets"])
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(data) - start:
             raise Refused(f"body: not a safetensors file ({name} lies outside the body)")
         if end - begin != math.prod(shape) * itemsize:
