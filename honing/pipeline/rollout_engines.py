@@ -63,9 +63,10 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
     size = f"{count / 1e6:.0f}M parameters"
     if importlib.util.find_spec("vllm") is None:
         return "transformers", f'{size}; vLLM is not installed: pip install -e ".[vllm]"'
-    if device_type(config) != "cuda" and logprob_pass(config):
+    separate = logprob_pass(config) if device_type(config) != "cuda" else ""
+    if separate:
         return "transformers", (
-            f"{size}; with {logprob_pass(config)} an engine with weights of its own costs the "
+            f"{size}; with {separate} an engine with weights of its own costs the "
             "trainer a logprob pass per batch, which on a CPU outweighs what vLLM saves "
             f"({STEP_RESULTS})"
         )
