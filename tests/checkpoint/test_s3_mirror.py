@@ -233,8 +233,8 @@ def test_the_grace_ends_with_what_is_unfinished_reported_and_staging_removed(s3,
     for step in (1, 2):
         manager.save(step, lambda directory: (directory / "weights.bin").write_bytes(b"w" * 100))
 
+    started = time.monotonic()  # before the timer: its 0.3 s count from here at the latest
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    started = time.monotonic()
     with stop_on_sigterm(), pytest.raises(Terminated):
         manager.finish_uploads(timeout_s=600, grace_s=1.0)
     elapsed = time.monotonic() - started
