@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -146,6 +146,66 @@ def save_model(model, tokenizer, directory: str | Path) -> None:
     """Write ``model`` and ``tokenizer`` in Hugging Face format (safetensors)."""
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+
+
+# transformers 5 holds some families' weights in another layout than their checkpoints (a
+# mixture-of-experts layer's experts fused into [E, ...] tensors, from one checkpoint tensor
+# per expert and projection): ``from_pretrained`` converts on the way in, ``save_pretrained``
+# converts back. A checkpoint written or read a tensor at a time (a sharded or expert-parallel
+# policy, gathered one tensor at a time) goes through the same conversions here, so that its
+# files are the ones ``save_pretrained`` writes whatever the layout that trained it.
+
+
+def saved_pieces(model, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
+    """Each (name, tensor) of ``model``'s state as ``save_pretrained`` writes it (a fused
+    experts tensor as its per-expert tensors), one of ``model``'s tensors at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in pieces:
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def loaded_pieces(model, pieces: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple]:
+    """Checkpoint (name, tensor) pieces as ``save_pretrained`` writes them, as ``model``'s own
+    tensors: the pieces a converted tensor of the model is saved as are put back together
+    once all have come (how: ``saved_pieces`` of the tensor's element numbers says where each
+    element goes); every other piece passes as it is, and so do the parts of a tensor that
+    never completes (the caller's check of names reports them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    saved_as: dict[str, list[str]] = {}  # a converted tensor's name -> its pieces' names
+    for name, shape in shapes.items():
+        saved = list(revert_weight_conversion(model, {name: torch.empty(shape, device="meta")}))
+        if saved != [name]:
+            saved_as[name] = saved
+    owner = {piece: name for name, saved in saved_as.items() for piece in saved}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for piece, tensor in pieces:
+        name = owner.get(piece)
+        if name is None:
+            yield piece, tensor
+            continue
+        parts = pending.setdefault(name, {})
+        parts[piece] = tensor
+        if len(parts) == len(saved_as[name]):
+            del pending[name]
+            yield name, _assembled(model, name, shapes[name], parts)
+    for parts in pending.values():
+        yield from parts.items()
+
+
+def _assembled(model, name: str, shape, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor ``name`` of ``shape`` from the ``parts`` it is saved as."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    numbers = torch.arange(shape.numel()).view(shape)
+    where = revert_weight_conversion(model, {name: numbers})
+    first = next(iter(parts.values()))
+    out = torch.empty(shape.numel(), dtype=first.dtype, device=first.device)
+    for piece, tensor in parts.items():
+        out[where[piece].reshape(-1).to(out.device)] = tensor.reshape(-1)
+    return out.view(shape)
 
 
 def apply_lora(model, rank: int, alpha: float, targets: list[str]):

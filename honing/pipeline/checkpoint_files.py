@@ -24,7 +24,7 @@ import torch
 
 from honing.config import Config
 from honing.errors import UserError
-from honing.models.loading import is_lora, save_model
+from honing.models.loading import is_lora, loaded_pieces, save_model, saved_pieces
 from honing.pipeline.components import Components
 
 TRAINER_STATE = "trainer_state.pt"
@@ -56,11 +56,11 @@ def write_policy(parts: Components, directory: Path, writer: bool) -> None:
             module.peft_config["default"].save_pretrained(directory)
             parts.tokenizer.save_pretrained(directory)
         return
-    write_weight_files(policy.whole_tensors(), directory, writer)
-    if writer:
-        from honing.rollout.native.fast_decode import unwrap
+    from honing.rollout.native.fast_decode import unwrap
 
-        base = unwrap(module)
+    base = unwrap(module)
+    write_weight_files(saved_pieces(base, policy.whole_tensors()), directory, writer)
+    if writer:
         base.config.save_pretrained(directory)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(directory)
@@ -128,6 +128,7 @@ def load_policy(parts: Components, checkpoint: Path) -> None:
     weights = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
         weights.update(load_file(shard, device=str(parts.device)))
+    weights = dict(loaded_pieces(parts.policy, weights.items()))
     tied = getattr(parts.policy.config, "tie_word_embeddings", False)
     try:
         missing, unexpected = parts.policy.load_state_dict(weights, strict=False)
@@ -188,6 +189,8 @@ def load_sharded_policy(parts: Components, checkpoint: Path) -> None:
         by_saved = {name.replace(".default", ""): name for name in own if "lora_" in name}
         pieces = ((by_saved.get(name, name), tensor) for name, tensor in pieces)
         own = set(by_saved.values())
+    else:  # as save_pretrained wrote them
+        pieces = loaded_pieces(module, pieces)
     loaded = []
 
     def counted():
