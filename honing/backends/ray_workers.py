@@ -17,8 +17,8 @@ from honing.backends.ray_pools import Report, _Pool, _Worker
 from honing.config import Config
 from honing.models.loading import load_tokenizer, resolve_device
 from honing.pipeline.inputs import build_scorer
+from honing.pipeline.rank_rules import custom_resources
 from honing.pipeline.rollout_engines import frozen_model, local_engine, vllm_engine
-from honing.pipeline.rules import custom_resources
 from honing.rollout.base import (
     EngineReport,
     GenerationRequest,

@@ -244,6 +244,11 @@ class TrainerConfig:
     # MLP over its ranks and runs the same rows; with strategy=fsdp the slots shard the rest
     # (2-D). Weights, gradients and optimizer state per rank ~1/N of the split layers. 1 = off
     tensor_parallel: int = _opt(1, ge=1, le=64)
+    # Under torchrun, a mixture-of-experts policy: data-parallel slots per expert group
+    # (honing/trainer/expert_parallel.py). Each of N consecutive slots holds E/N of every
+    # layer's routed experts and runs its own rows; each token goes to the rank of its
+    # experts (all-to-all). Expert weights, gradients and optimizer state per rank ~1/N. 1 = off
+    expert_parallel: int = _opt(1, ge=1, le=1024)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ FEATURES = (
     Feature("SP", ("trainer.sequence_parallel=2",), world_size=2),
     Feature("FSDP", ("trainer.strategy=fsdp",), world_size=2),
     Feature("TP", ("trainer.tensor_parallel=2",), world_size=2),
+    # 4 ranks: 2 groups of 2 slots alone, and 2 slots of 2 under TP=2
+    Feature("EP", ("trainer.expert_parallel=2",), world_size=4),
     Feature("torchrun", (), world_size=2),
     Feature("Ray", ("pipeline.backend=ray",)),
     Feature("R3", ("algorithm.routing_replay=R3",)),

@@ -249,7 +249,8 @@ def build_components(config: Config, log=print, group=None) -> Components:
 def trainer_layout(config: Config, group, log=print):
     """How the trained modules are laid out: whole in this process; under torchrun
     (``group``) replicated on every rank, or sharded over them (``trainer.strategy=fsdp``),
-    split over tensor-parallel slots (``trainer.tensor_parallel``)."""
+    split over tensor-parallel slots (``trainer.tensor_parallel``), the experts shared by
+    expert-parallel slots (``trainer.expert_parallel``)."""
     t, memory = config.trainer, config.memory
     if (memory.param_offload or memory.optimizer_offload) and resolve_device(
         config.model.device
@@ -265,6 +266,7 @@ def trainer_layout(config: Config, group, log=print):
         param_offload=memory.param_offload,
         sequence=t.sequence_parallel,
         tensor=t.tensor_parallel,
+        expert=t.expert_parallel,
     )
 
 

@@ -110,7 +110,8 @@ def throughput(got: Collected, metrics: dict, seconds: float) -> dict[str, float
 def layout_metrics(trainers: Trainers) -> dict[str, float]:
     """``dist/world_size``, ``dist/strategy`` (0: one process, 1: replicated ranks, 2:
     sharded) and ``memory/model_state_mb``: the parameters, gradients and optimizer state
-    this process holds, what sharding divides."""
+    this process holds, what sharding divides; under expert parallelism the policy's
+    ``expert_metrics``."""
     policy = trainers.policy
     strategy = 2.0 if policy.is_sharded else (1.0 if policy.world_size > 1 else 0.0)
     held = sum(trainer.state_bytes() for trainer in trainers.all())
@@ -118,4 +119,4 @@ def layout_metrics(trainers: Trainers) -> dict[str, float]:
         "dist/world_size": float(policy.world_size),
         "dist/strategy": strategy,
         "memory/model_state_mb": held / 2**20,
-    }
+    } | policy.expert_metrics()

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from honing.models.loading import is_lora
 from honing.rollout.base import WeightBucket
+from honing.trainer.expert_parallel import ExpertShards
 from honing.trainer.layouts import Layout, OneProcess, Replicated
 from honing.trainer.optimizer_step import clip_and_step, move_optimizer_state
 from honing.trainer.sharded import Sharded, local_bytes
@@ -120,6 +121,8 @@ class TrainerEngine(Protocol):
 
     def state_bytes(self) -> int: ...
 
+    def expert_metrics(self) -> dict[str, float]: ...
+
     def learning_rates(self) -> tuple[float, ...]: ...
 
     def set_learning_rates(self, rates: tuple[float, ...]) -> None: ...
@@ -141,11 +144,13 @@ def make_layout(
     param_offload: bool = False,
     sequence: int = 1,
     tensor: int = 1,
+    expert: int = 1,
 ) -> Layout:
     """The layout of ``trainer.strategy`` (``replicate`` | ``fsdp``) over the torchrun
-    ``group``, ``sequence`` ranks sharing each sequence (``trainer.sequence_parallel``) or
-    ``tensor`` ranks splitting each weight (``trainer.tensor_parallel``); whole in this
-    process when there is no group."""
+    ``group``, ``sequence`` ranks sharing each sequence (``trainer.sequence_parallel``),
+    ``tensor`` ranks splitting each weight (``trainer.tensor_parallel``), ``expert`` slots
+    sharing the routed experts (``trainer.expert_parallel``); whole in this process when
+    there is no group."""
     if group is None:
         return OneProcess()
     if strategy == "fsdp":
@@ -156,8 +161,9 @@ def make_layout(
             param_offload=param_offload,
             sequence=sequence,
             tensor=tensor,
+            expert=expert,
         )
-    return Replicated(group, sequence, tensor)
+    return Replicated(group, sequence, tensor, expert)
 
 
 class TrainedModule:
@@ -412,6 +418,25 @@ class TrainedModule:
             if torch.is_tensor(value) and value.dim() > 0
         ]
         return local_bytes(params) + local_bytes(grads) + local_bytes(moments)
+
+    def expert_metrics(self) -> dict[str, float]:
+        """Under expert parallelism (none without): ``memory/expert_state_mb``, the routed
+        experts' parameters, gradients and optimizer state this process holds, and the
+        dispatch's ``ep/load_imbalance/max`` and ``/mean`` since the last call
+        (``ExpertShards.take_metrics``)."""
+        shards = ExpertShards.of(self.module)
+        if shards is None:
+            return {}
+        params = shards.parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        moments = [
+            value
+            for p in params
+            for value in self.optimizer.state.get(p, {}).values()
+            if torch.is_tensor(value) and value.dim() > 0
+        ]
+        held = local_bytes(params) + local_bytes(grads) + local_bytes(moments)
+        return {"memory/expert_state_mb": held / 2**20} | shards.take_metrics()
 
 
 def buckets(

@@ -23,24 +23,27 @@ What it takes: transformers' fused experts (a class under ``use_experts_implemen
 its own gate); every other experts layout is refused in one line. Shared experts are dense
 and stay replicated.
 
-What the trainer must do (``ExpertShards``): leave the expert gradients unreduced over the
-``ep`` group (each rank holds other experts, and their gradients already sum every rank's
-tokens), add the expert part of the squared gradient norm over ``ep`` before clipping, gather
-the experts whole for weight sync and checkpoints (``whole_tensors``) and load them back
-(``load_whole``). Every rank of the group must run the same forward and backward passes in
-the same order: a pass is a collective.
+Each rank's experts are parameters of DTensor type, ``Shard(0)`` on the 1-D ``ep`` mesh, so
+what handles a split tensor handles them: gathered whole for weight sync and exports
+(``full_tensor``), loaded from whole tensors as this rank's slice, saved and read by
+``torch.distributed.checkpoint`` under any other layout, and normed over the ranks before
+clipping. What the trainer's layout must still do: leave the expert gradients unreduced over
+``ep`` (each rank holds other experts, and their gradients already sum every rank's tokens),
+reduce them over the ranks that hold the same experts (``edp``), and run every pass on every
+rank of the group, as many and in the same order: a pass is a collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+from statistics import mean
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from honing.errors import ConfigError
 from honing.models.moe import Routers, routers_of
@@ -127,6 +130,11 @@ def grouped_mm_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return False
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard, differentiably)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     run = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     return _ContiguousGrad.apply(run(x, weight, offs=offsets))
@@ -141,20 +149,21 @@ class ExpertParallelExperts(nn.Module):
     ``counts`` [ep, E] sums, over the calls since ``take_counts``, the pairs each rank sent
     to each expert (the same on every rank)."""
 
-    def __init__(self, source: nn.Module, group: dist.ProcessGroup, num_experts: int):
+    def __init__(self, source: nn.Module, mesh: DeviceMesh, num_experts: int):
         super().__init__()
         for key, value in vars(source).items():  # what the family's gate reads
             if not key.startswith("_") and key != "training":
                 setattr(self, key, value)
-        self.group, self.num_experts = group, num_experts
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.num_experts = mesh.get_group(), num_experts
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
         self.local = num_experts // self.size
         self.first = self.rank * self.local
         for name, child in source.named_children():  # the activation
             self.add_module(name, child)
         for name, param in source.named_parameters(recurse=False):
             shard = param.detach()[self.first : self.first + self.local].clone()
-            self.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            split = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
+            self.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         self._gate = type(source)._apply_gate if self.has_gate else None
         self.counts = torch.zeros(self.size, num_experts, dtype=torch.long)
 
@@ -197,7 +206,7 @@ class ExpertParallelExperts(nn.Module):
         """One of the experts' linear maps on rows grouped by expert (``counts`` [El] on the
         device, ``sizes`` on the host), in the weight's dtype (under autocast too, as
         transformers' ``grouped_mm`` experts implementation computes them)."""
-        weight = getattr(self, name)  # [El, out, in], or [El, in, out] when transposed
+        weight = local(getattr(self, name))  # [El, out, in], or [El, in, out] when transposed
         dtype = weight.dtype
         x = x.to(dtype)
         by_row = weight if self.is_transposed else weight.transpose(-2, -1)  # [El, in, out]
@@ -209,7 +218,7 @@ class ExpertParallelExperts(nn.Module):
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             expert = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
-            out = out + bias[expert]
+            out = out + local(bias)[expert]
         return out
 
 
@@ -218,14 +227,22 @@ class ExpertShards:
     """Where a model's experts are after ``apply_expert_parallel``, for the trainer.
 
     Attributes:
-        group: the ``ep`` process group; ``size``, ``rank``: its size and this rank's place.
+        size, rank: the ``ep`` group's size and this rank's place in it.
         modules: each MoE block's experts, by its name in the model.
     """
 
-    group: dist.ProcessGroup
     size: int
     rank: int
     modules: dict[str, ExpertParallelExperts]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertShards | None:
+        """The expert-parallel experts of ``model`` (None when it has none)."""
+        modules = {n: m for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
+        if not modules:
+            return None
+        first = next(iter(modules.values()))
+        return cls(first.size, first.rank, modules)
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -237,64 +254,25 @@ class ExpertShards:
             for name, _ in module.named_parameters(recurse=False)
         )
 
-    def _parameter(self, name: str) -> tuple[ExpertParallelExperts, nn.Parameter]:
-        path, _, leaf = name.rpartition(".")
-        if path not in self.modules or leaf not in self.modules[path]._parameters:
-            raise KeyError(f"{name} is not an expert parameter")
-        module = self.modules[path]
-        return module, module._parameters[leaf]
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules.values() for p in m.parameters(recurse=False)]
 
     def expert_bytes(self) -> int:
         """The bytes of expert parameters this rank holds."""
-        return sum(
-            p.numel() * p.element_size() for m in self.modules.values() for p in m.parameters()
-        )
-
-    def whole(self, name: str) -> torch.Tensor:
-        """The expert parameter ``name`` whole, [E, ...], gathered over ``ep`` (every rank of
-        the group calls it, with the same names in the same order)."""
-        _, param = self._parameter(name)
-        return _gather(param.detach(), self.group)
-
-    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each expert parameter whole, one at a time (weight sync, checkpoints)."""
-        for name in self.parameter_names:
-            yield name, self.whole(name)
-
-    def load_whole(self, name: str, tensor: torch.Tensor) -> None:
-        """This rank's experts of ``tensor`` [E, ...] (a whole expert parameter) into its
-        shard."""
-        module, param = self._parameter(name)
-        if tensor.shape[0] != module.num_experts or tensor.shape[1:] != param.shape[1:]:
-            raise ValueError(
-                f"{name}: a whole tensor of {tuple(tensor.shape)} for experts of "
-                f"{(module.num_experts, *param.shape[1:])}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor[module.first : module.first + module.local])
+        return sum(local(p).nbytes for p in self.parameters())
 
     def take_metrics(self) -> dict[str, float]:
-        """Since the last take: ``ep/load_imbalance/max`` and ``/mean`` over MoE layers, the
-        most pairs a rank received / the mean over ranks (1: even); ``ep/expert_bytes``."""
-        metrics = {"ep/expert_bytes": float(self.expert_bytes())}
+        """Since the last take, over the MoE layers: ``ep/load_imbalance/max`` and ``/mean``,
+        the most pairs a rank's experts received over the mean over ranks (1: even)."""
         ratios = []
         for module in self.modules.values():
             counts = module.take_counts()  # [ep, E]
             received = counts.view(self.size, self.size, -1).sum((0, 2)).double()  # [ep]
             if received.sum() > 0:
                 ratios.append(float(received.max() / received.mean()))
-        if ratios:
-            metrics["ep/load_imbalance/max"] = max(ratios)
-            metrics["ep/load_imbalance/mean"] = sum(ratios) / len(ratios)
-        return metrics
-
-
-def _group(ep: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:
-    if isinstance(ep, DeviceMesh):
-        if ep.ndim != 1:
-            raise ValueError(f"expert parallelism takes a 1-D mesh, not {ep.ndim}-D")
-        return ep.get_group()
-    return ep
+        if not ratios:
+            return {}
+        return {"ep/load_imbalance/max": max(ratios), "ep/load_imbalance/mean": mean(ratios)}
 
 
 def _check_layout(experts: nn.Module, family: str, num_experts: int) -> None:
@@ -342,19 +320,22 @@ def check_expert_parallel(model: nn.Module, size: int) -> Routers:
     return routers
 
 
-def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) -> ExpertShards:
-    """Shard the routed experts of ``model`` (a transformers MoE causal LM, maybe in a LoRA
-    wrapper) over the ranks of ``ep`` (a process group or a 1-D mesh): each MoE block's
-    ``experts`` becomes an ``ExpertParallelExperts`` holding this rank's E / ep experts.
-    Every rank of ``ep`` calls it on the same model (the same weights). Refuses what
+def apply_expert_parallel(model: nn.Module, ep: DeviceMesh | dist.ProcessGroup) -> ExpertShards:
+    """Shard the routed experts of ``model`` (a transformers MoE causal LM) over the ranks of
+    ``ep`` (a 1-D device mesh, or a process group, made one): each MoE block's ``experts``
+    becomes an ``ExpertParallelExperts`` holding this rank's E / ep experts. Every rank of
+    ``ep`` calls it on the same model (the same weights). Refuses what
     ``check_expert_parallel`` refuses, before any block is changed."""
-    group = _group(ep)
-    size = dist.get_world_size(group)
-    routers = check_expert_parallel(model, size)
+    if not isinstance(ep, DeviceMesh):
+        device = next(model.parameters()).device.type
+        ep = DeviceMesh.from_group(ep, device)
+    if ep.ndim != 1:
+        raise ValueError(f"expert parallelism takes a 1-D mesh, not {ep.ndim}-D")
+    routers = check_expert_parallel(model, ep.size())
     names = {id(module): name for name, module in model.named_modules()}
     modules = {}
     for block in routers.blocks:
-        parallel = ExpertParallelExperts(block.experts, group, routers.num_experts)
+        parallel = ExpertParallelExperts(block.experts, ep, routers.num_experts)
         modules[names[id(block.experts)]] = parallel
         block.experts = parallel
-    return ExpertShards(group, size, dist.get_rank(group), modules)
+    return ExpertShards(ep.size(), ep.get_local_rank(), modules)

@@ -25,6 +25,14 @@ on each rank, a whole one's gradient alike on the slot's ranks), and the module 
 sharded: every rank takes part in each pass, gather and checkpoint. Parameters split by
 tensor parallelism are DTensors, which every copy in or out of a layout handles
 (``whole_pieces``, ``copy_whole``).
+
+With expert parallelism (``trainer.expert_parallel=N``, ``trainer/expert_parallel.py``) each
+group of N consecutive data-parallel slots shares the routed experts of a mixture-of-experts
+module, each slot's ranks holding E / N of them (DTensors split on the ``ep`` mesh dimension)
+and every forward sending each token to the rank of its experts. Each slot still runs its own
+rows; the module counts as sharded (every pass on every rank, as many micro-batches on each,
+``even_rows``). An expert's gradient already sums every slot's tokens of its group: it is
+summed over the groups (``edp``) alone, every other gradient as without experts.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from honing.errors import ConfigError
 from honing.trainer.batch import response_logprobs
+from honing.trainer.expert_parallel import ExpertShards, apply_expert_parallel
 from honing.trainer.mesh import ParallelDims, device_mesh
 from honing.trainer.tensor_parallel import parallelize
 from honing.trainer.ulysses.packed import shared_logprobs
@@ -57,8 +66,11 @@ class Layout(ABC):
         slot, slots, dp: this rank's data-parallel slot, their number, and the group of one
             rank per slot that holds this one (``group`` itself without SP or TP).
         tp: the 1-D mesh of the ranks splitting each weight with this one (None without TP).
-        mesh: the named device mesh ``dp``, ``sp`` and ``tp`` come from (None without SP or
-            TP).
+        ep: the 1-D mesh of the slots sharing their experts with this one's (None without
+            EP); ``edp``: the group of the ranks holding the same experts as this one (None
+            when it is this rank alone).
+        mesh: the named device mesh ``dp``, ``sp``, ``tp`` and ``ep`` come from (None
+            without SP, TP or EP).
     """
 
     rank: int = 0
@@ -70,6 +82,8 @@ class Layout(ABC):
     slots: int = 1
     dp = None
     tp = None
+    ep = None
+    edp = None
     mesh = None
 
     @property
@@ -194,23 +208,87 @@ def reduce_across(
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def mesh_slots(layout: Layout, sequence: int = 1, tensor: int = 1) -> None:
-    """Sets ``layout``'s ``mesh``, ``sp``, ``tp``, ``slot``, ``slots`` and ``dp`` for
-    ``sequence`` ranks per sequence and ``tensor`` ranks per split weight over its ``group``:
-    slot s is ranks sN .. sN + N - 1 (N = sequence x tensor), the groups the dimensions of one
-    named mesh (``trainer/mesh.py``). Without either, the slots are the ranks and ``dp`` is
-    ``group`` itself (no mesh is made)."""
-    dims = ParallelDims.of(layout.world, sequence, tensor)
+def mesh_slots(layout: Layout, sequence: int = 1, tensor: int = 1, expert: int = 1) -> None:
+    """Sets ``layout``'s ``mesh``, ``sp``, ``tp``, ``ep``, ``edp``, ``slot``, ``slots`` and
+    ``dp`` for ``sequence`` ranks per sequence, ``tensor`` ranks per split weight and
+    ``expert`` slots sharing their experts over its ``group``: slot s is ranks sN .. sN + N - 1
+    (N = sequence x tensor), the groups the dimensions of one named mesh
+    (``trainer/mesh.py``). Without any, the slots are the ranks and ``dp`` is ``group`` itself
+    (no mesh is made)."""
+    dims = ParallelDims.of(layout.world, sequence, tensor, expert)
     layout.slot, layout.slots, layout.dp = layout.rank, layout.world, layout.group
     if dims.names == ("dp",):
         return
     layout.mesh = device_mesh(layout.group, dims)
-    layout.slot, layout.slots = layout.mesh.get_coordinate()[0], dims.dp
-    layout.dp = layout.mesh.get_group("dp")
+    layout.slots, layout.dp = dims.dp, layout.mesh.get_group("dp")
+    layout.slot = layout.mesh["dp"].get_local_rank()
     if dims.sp > 1:
         layout.sp = SequenceGroup.of(layout.mesh.get_group("sp"))
     if dims.tp > 1:
         layout.tp = layout.mesh["tp"]
+    if dims.ep > 1:
+        layout.ep = layout.mesh["ep"]
+        layout.edp = layout.mesh.get_group("edp") if dims.dp > dims.ep else None
+
+
+def with_experts(module: nn.Module, mesh) -> nn.Module:
+    """``module``'s routed experts (a causal LM's, or its ``backbone``'s) shared by the slots
+    of the 1-D ``ep`` ``mesh`` (``trainer/expert_parallel.py``); unchanged without a mesh, or
+    for a module without routed experts (a dense critic: the policy's are checked when it
+    loads)."""
+    from honing.models.moe import routers_of
+
+    model = getattr(module, "backbone", module)
+    if mesh is not None and routers_of(model) is not None:
+        apply_expert_parallel(model, mesh)
+    return module
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The expert-parallel parameters of ``module`` (none without expert parallelism)."""
+    shards = ExpertShards.of(module)
+    return [] if shards is None else shards.parameters()
+
+
+def reduce_experts(module: nn.Module, group) -> None:
+    """Sums the expert-parallel gradients of ``module`` over ``group`` (the ranks holding the
+    same experts: ``edp``; nothing to do without one), as one flat buffer."""
+    grads = [p.grad.to_local() for p in expert_parameters(module) if p.grad is not None]
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    with torch.no_grad():
+        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(piece.view_as(grad))
+
+
+def even_rows(
+    layout: Layout, index: torch.Tensor, size: int, tokens: torch.Tensor | None, budget: int
+) -> list[tuple[torch.Tensor, int]]:
+    """This slot's rows of ``index`` (rows slot, slot + S, ... in micro-batches of ``size``,
+    or with a token ``budget`` its share packed by tokens), as many micro-batches on every
+    slot, for a module whose passes run on every rank together: a slot with fewer repeats a
+    row of its own, masked (the second item: real rows)."""
+    if len(index) < layout.slots:
+        raise ValueError(
+            f"a mini-batch of {len(index)} sequences cannot be shared by {layout.slots} "
+            "data-parallel ranks; raise trainer.mini_batch_size or use fewer ranks"
+        )
+    if budget:
+        shares = token_shares(index, tokens, layout.slots, budget)
+        mine = [(chunk, len(chunk)) for chunk in shares[layout.slot]]
+        shortest = mine[-1][0][-1:]  # the cheapest row to run masked
+        most = max(len(share) for share in shares)
+        return mine + [(shortest, 0)] * (most - len(mine))
+    mine = index[layout.slot :: layout.slots]
+    most = -(-len(index) // layout.slots)  # the largest share
+    padded = torch.cat([mine, mine[:1].repeat(most - len(mine))])
+    out = []
+    for start in range(0, most, size):
+        chunk = padded[start : start + size]
+        out.append((chunk, max(0, min(len(chunk), len(mine) - start))))
+    return out
 
 
 def with_ulysses(module: nn.Module, sequence: int) -> nn.Module:
@@ -319,20 +397,27 @@ class Replicated(Layout):
 
     With ``tensor`` > 1 the module is whole on each slot, split over its ranks (tensor
     parallelism): it counts as sharded (``collective``), every pass runs on every rank, and
-    the gradients are summed over the slots (``dp``) alone."""
+    the gradients are summed over the slots (``dp``) alone. With ``expert`` > 1 groups of
+    that many slots share the routed experts (expert parallelism): sharded too, every slot
+    runs as many micro-batches (``even_rows``), and the experts' gradients are summed over
+    the ranks holding the same experts (``edp``)."""
 
-    def __init__(self, group, sequence: int = 1, tensor: int = 1):
+    def __init__(self, group, sequence: int = 1, tensor: int = 1, expert: int = 1):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        mesh_slots(self, sequence, tensor)
-        self.collective = self.tp is not None  # each rank holds a slice of the split weights
+        mesh_slots(self, sequence, tensor, expert)
+        # each rank holds a slice of the split weights, or its share of the experts
+        self.collective = self.tp is not None or self.ep is not None
 
     def prepare(self, module: nn.Module) -> nn.Module:
-        return parallelize(with_ulysses(module, self.sp.world), self.tp)
+        module = parallelize(with_ulysses(module, self.sp.world), self.tp)
+        return with_experts(module, self.ep)
 
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
     ) -> list[tuple[torch.Tensor, int]]:
+        if self.ep is not None:
+            return even_rows(self, index, size, tokens, budget)
         if len(index) < self.slots:
             raise ValueError(
                 f"a mini-batch of {len(index)} sequences cannot be shared by {self.slots} "
@@ -346,8 +431,11 @@ class Replicated(Layout):
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """All-reduce (sum) every trainable parameter's gradient, as one flat buffer, over
-        every rank (over the slots under tensor parallelism: a DTensor's local slice)."""
-        params = [p for p in module.parameters() if p.requires_grad]
+        every rank (over the slots under tensor parallelism: a DTensor's local slice); an
+        expert-parallel one's over ``edp`` (``reduce_experts``)."""
+        experts = {id(p) for p in expert_parameters(module)}
+        reduce_experts(module, self.edp)
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])

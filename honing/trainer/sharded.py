@@ -27,6 +27,12 @@ With tensor parallelism (``trainer.tensor_parallel=N``) the module is split over
 N ranks first (``trainer/tensor_parallel.py``), then sharded over the slots (the mesh's
 ``dp`` dimension): 2-D, torchtitan's order. A split weight is then a DTensor over both
 dimensions, a whole one (embeddings, norms) over ``dp``; the reduce-scatter sums the slots.
+
+With expert parallelism (``trainer.expert_parallel=N``) the routed experts are split over the
+mesh's ``ep`` dimension first (``trainer/expert_parallel.py``) and FSDP leaves them out
+(``ignored_params``): each rank holds E / N experts whole, and their gradients are summed
+over the ranks holding the same ones (``edp``) after the backward passes. Everything else is
+sharded over every slot as without experts.
 """
 
 from __future__ import annotations
@@ -42,10 +48,13 @@ from torch.distributed.tensor import DTensor
 from honing.errors import ConfigError
 from honing.trainer.layouts import (
     Layout,
+    even_rows,
+    expert_parameters,
     mesh_slots,
     reduce_across,
+    reduce_experts,
     rowwise_by_slots,
-    token_shares,
+    with_experts,
     with_ulysses,
 )
 from honing.trainer.tensor_parallel import parallelize
@@ -81,17 +90,19 @@ class Sharded(Layout):
         param_offload: bool = False,
         sequence: int = 1,
         tensor: int = 1,
+        expert: int = 1,
     ):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        mesh_slots(self, sequence, tensor)
+        mesh_slots(self, sequence, tensor, expert)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = DTYPES[param_dtype]
         self.param_offload = param_offload
 
     def prepare(self, module: nn.Module) -> nn.Module:
         """Shards ``module`` in place (each decoder layer, then the whole; over the slots
-        after the tensor-parallel split); returns it."""
+        after the tensor-parallel split, the experts left to expert parallelism); returns
+        it."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -102,6 +113,7 @@ class Sharded(Layout):
         )
 
         module = parallelize(with_ulysses(module, self.sp.world), self.tp)
+        module = with_experts(module, self.ep)
 
         device = next(module.parameters()).device
         if self.tp is None:
@@ -117,6 +129,8 @@ class Sharded(Layout):
         }
         if self.param_offload and device.type == "cuda":
             options["offload_policy"] = CPUOffloadPolicy()
+        if experts := set(expert_parameters(module)):
+            options["ignored_params"] = experts
         try:
             for layer in decoder_layers(module):
                 fully_shard(layer, **options)
@@ -139,31 +153,12 @@ class Sharded(Layout):
     def rows(
         self, index: torch.Tensor, size: int, tokens: torch.Tensor | None = None, budget: int = 0
     ) -> list[tuple[torch.Tensor, int]]:
-        """Rows rank, rank + W, ... in micro-batches of ``size`` (or, with a token
-        ``budget``, this rank's share packed by tokens), as many on every rank: a rank with
-        fewer rows repeats a row of its own, masked (the second item: real rows)."""
-        if len(index) < self.slots:
-            raise ValueError(
-                f"a mini-batch of {len(index)} sequences cannot be shared by {self.slots} "
-                "ranks; raise trainer.mini_batch_size or use fewer ranks"
-            )
-        if budget:
-            shares = token_shares(index, tokens, self.slots, budget)
-            mine = [(chunk, len(chunk)) for chunk in shares[self.slot]]
-            shortest = mine[-1][0][-1:]  # the cheapest row to run masked
-            most = max(len(share) for share in shares)
-            return mine + [(shortest, 0)] * (most - len(mine))
-        mine = index[self.slot :: self.slots]
-        most = -(-len(index) // self.slots)  # the largest share
-        padded = torch.cat([mine, mine[:1].repeat(most - len(mine))])
-        out = []
-        for start in range(0, most, size):
-            chunk = padded[start : start + size]
-            out.append((chunk, max(0, min(len(chunk), len(mine) - start))))
-        return out
+        return even_rows(self, index, size, tokens, budget)
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        return None  # FSDP reduced them in the backward pass
+        """FSDP reduced the gradients in the backward pass; the experts' (left out of it)
+        are summed over ``edp``."""
+        reduce_experts(module, self.edp)
 
     def reduce(self, totals: dict[str, torch.Tensor], how: str = "sum") -> dict[str, torch.Tensor]:
         return reduce_across(totals, self.dp, how)

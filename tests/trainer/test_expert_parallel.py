@@ -21,9 +21,11 @@ from honing.trainer.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
     inverse,
+    local,
     local_order,
     route,
 )
+from honing.trainer.layouts import copy_whole, whole_pieces
 from honing.types import Rollout
 from tests.models.moe_families import build, moe_families
 from tests.models.moe_models import moe_model
@@ -79,7 +81,9 @@ def _pass(model, ids: torch.Tensor, plan: torch.Tensor | None) -> dict:
         logits = model(input_ids=ids).logits.float()
     logprobs = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     (-logprobs.sum()).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {  # an expert-parallel rank's experts: its shard
+        name: local(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None
+    }
     return {"logprobs": logprobs.detach(), "grads": grads, "used": session.recorded_calls()[0]}
 
 
@@ -106,17 +110,21 @@ def _on_rank(family: str, plans: str) -> dict:
     finally:
         expert_parallel.grouped_mm_fits = fits
     counts = torch.stack([m.counts for m in shards.modules.values()])  # [L, ep, E]
-    gathered = dict(shards.whole_tensors())
-    name = shards.parameter_names[0]
-    shards.load_whole(name, gathered[name] * 2)
-    loaded = dict(model.named_parameters())[name].detach().clone()
+    names = shards.parameter_names
+    # as the trainer's layouts gather and load them (weight sync, exports, checkpoints)
+    params = dict(model.named_parameters())
+    gathered = dict(whole_pieces((name, params[name].detach()) for name in names))
+    unknown = copy_whole(model, [(names[0], gathered[names[0]] * 2)])
+    loaded = local(params[names[0]]).detach().clone()
     return result | {
-        "names": shards.parameter_names,
+        "names": names,
         "counts": counts,
+        "expert_bytes": shards.expert_bytes(),
+        "unknown": unknown,
         "metrics": shards.take_metrics(),
         "after_take": sum(int(m.counts.sum()) for m in shards.modules.values()),
         "whole_equal": all(torch.equal(gathered[n], whole[n]) for n in gathered),
-        "loaded": (name, loaded),
+        "loaded": (names[0], loaded),
     }
 
 
@@ -208,13 +216,13 @@ def test_the_shards_gather_load_and_measure(ranks):
     params = _one_process(*case)["params"]
     for r, rank in enumerate(ranks):
         got = rank[case]
-        assert got["whole_equal"]
+        assert got["whole_equal"] and got["unknown"] == []
         name, loaded = got["loaded"]
         local = params[name].shape[0] // WORLD
         assert torch.equal(loaded, 2 * params[name].detach()[r * local : (r + 1) * local])
         metrics = got["metrics"]
         held = sum(params[name].numel() for name in got["names"]) // WORLD
-        assert metrics["ep/expert_bytes"] == 4 * held  # float32
+        assert got["expert_bytes"] == 4 * held  # float32
         assert 1 <= metrics["ep/load_imbalance/mean"] <= metrics["ep/load_imbalance/max"] <= WORLD
         assert got["after_take"] == 0
 
