@@ -2,8 +2,9 @@
 split which way), what is refused, and on gloo ranks the test spawns: every planned family's
 forward and gradients split over 2 ranks as one process computes them; the policy split over
 2 ranks, alone or under FSDP over 2 slots (2-D), ends two policy updates where one process
-does; a checkpoint saved under TP x FSDP resumes in one process to the same weights; every
-rank gathers the same whole tensors for the rollout engines and exports."""
+does; a checkpoint saved under TP x FSDP resumes under FSDP alone and in one process to the
+same weights; every rank gathers the same whole tensors for the rollout engines and
+exports."""
 
 import copy
 import dataclasses
@@ -150,15 +151,28 @@ def _whole(engine: TrainedModule) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in engine.whole_tensors()}
 
 
-def _on_rank(model_dir: str, strategy: str, tensor: int, shards: str | None) -> dict:
-    """Two updates under the layout; with ``shards``, the state saved after the first."""
+def _on_rank(
+    model_dir: str, strategy: str, tensor: int, shards: str | None, resume: str | None = None
+) -> dict:
+    """Two updates under the layout; with ``shards``, the state saved after the first, and
+    with ``resume`` (a strategy) that state read back under it (without tensor parallelism)
+    and the second update run again."""
     engine = _engine(model_dir, make_layout(strategy, dist.group.WORLD, tensor=tensor))
     for call in range(CALLS):
         if call == 1 and shards:
             engine.save_shards({"policy": engine.state()}, shards)
         _update(engine, call)
     sent = [piece for bucket in engine.weights() for piece in bucket]
+    resumed = None
+    if resume:
+        again = _engine(model_dir, make_layout(resume, dist.group.WORLD))
+        template = {"policy": again.state(template=True)}
+        again.load_shards(template, shards)
+        again.load_state(template["policy"])
+        _update(again, 1)
+        resumed = _whole(again)
     return {
+        "resumed": resumed,
         "whole": _whole(engine),
         "sent": [name for name, _ in sent],
         "slot": engine.data_parallel_size,
@@ -223,12 +237,14 @@ def test_tensor_parallel_under_fsdp_updates_as_one_process_and_resumes_in_one(
     micro_model_dir, one_process, tmp_path
 ):
     """TP=2 x FSDP=2 on 4 ranks (2-D: split within a slot, sharded over the slots); its
-    checkpoint of the first update's state read back by one process, which goes on to the
-    same weights."""
+    checkpoint of the first update's state read back by FSDP over the 4 ranks, and by one
+    process, each of which goes on to the same weights."""
     want, before = one_process
     shards = str(tmp_path / "shards")
-    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), 4, str(micro_model_dir), "fsdp", 2, shards)
+    args = (str(micro_model_dir), "fsdp", 2, shards, "fsdp")
+    ranks = on_ranks(_on_rank, str(tmp_path / "rank"), 4, *args)
     for rank in ranks:
         _assert_same(rank["whole"], want, before)
+        _assert_same(rank["resumed"], want, before)
         assert rank["slot"] == 2
     _assert_same(_one_process(str(micro_model_dir), shards), want, before)
