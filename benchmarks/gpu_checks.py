@@ -18,7 +18,11 @@ On a random ~0.5B Qwen2 configuration (Qwen2-0.5B's shape: hidden 896, 24 layers
 5. with vLLM installed (on CUDA): vLLM in process and a vLLM server with NCCL weight transfer,
    each with its tokens/s, a weight sync's time and the logprob gap after it, and vLLM in
    every torchrun rank (one per GPU, FSDP, sleep mode around the updates) with its step time,
-   logprob gap and peak memory (``benchmarks/gpu_vllm.py``).
+   logprob gap and peak memory (``benchmarks/gpu_vllm.py``);
+6. the expert-parallel experts on the device (``benchmarks/gpu_parallel.py``): a random
+   Qwen3-MoE's forward and backward through ``ExpertParallelExperts`` over a group of one
+   rank (``grouped_mm`` in bfloat16 on CUDA) against its own experts, with the logit gap.
+   Tensor and expert parallelism across ranks need a machine of several devices.
 
 Writes benchmarks/results/gpu_checks.{json,md}. ``--size tiny --device cpu`` runs the same
 code paths in seconds on a CPU (what the test suite does, so the script does not rot).
@@ -37,6 +41,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.gpu_parallel import expert_parallel_one_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -287,6 +293,7 @@ def main() -> None:
         }
         if device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
             record["vllm"] = vllm_checks(model_dir, device)
+        record["expert_parallel"] = expert_parallel_one_rank(device, args.size)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
@@ -317,6 +324,10 @@ def main() -> None:
         lines.append(f"- full step, {name}: " + ", ".join(f"{k} {v}" for k, v in memory.items()))
     for name, figures in record.get("vllm", {}).items():
         lines.append(f"- vLLM {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    figures = record["expert_parallel"]
+    lines.append(
+        "- expert-parallel experts, one rank: " + ", ".join(f"{k} {v}" for k, v in figures.items())
+    )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

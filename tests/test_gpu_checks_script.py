@@ -27,6 +27,8 @@ def test_the_gpu_script_runs_its_checks_on_a_tiny_model(tmp_path):
     assert record["training"]["tokens_per_s"] > 0 and record["training"]["mfu"] > 0
     assert set(record["full_step_memory"]) == {"offload_off", "offload_on", "fsdp_param_offload"}
     assert "MFU" in out.with_suffix(".md").read_text()
+    experts = record["expert_parallel"]  # through the dispatch, every expert on one rank
+    assert experts["expert_parallel_s"] > 0 and experts["logit_gap"] < 1e-4
 
 
 @pytest.mark.slow
