@@ -67,6 +67,12 @@ class DataConfig:
     min_digits: int = _opt(1, ge=1, le=9)  # built-in task: fewest digits of an operand
     on_bad_row: str = _opt("error", choices=("error", "skip"))
     shuffle: bool = _opt(True)
+    # Prompts by their running solve rate (raw verdicts, before reward shaping; data/
+    # solve_rates.py): skip a prompt every sample of which was solved so far (skip_solved) or
+    # none (skip_unsolved), once it has solve_rate_min_samples verdicts (0: rollout.group_size)
+    skip_solved: bool = _opt(False)
+    skip_unsolved: bool = _opt(False)
+    solve_rate_min_samples: int = _opt(0, ge=0)
 
 
 @dataclass(frozen=True)

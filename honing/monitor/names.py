@@ -101,6 +101,8 @@ KNOWN = frozenset(
         "memory/offloaded_gb",
         "memory/activation_peak_mb",
         "memory/expert_state_mb",
+        *(f"data/{name}" for name in ("skipped_solved", "skipped_unsolved")),
+        *(f"data/{name}" for name in ("prompts_solved", "prompts_unsolved")),
         "ep/load_imbalance/max",
         "ep/load_imbalance/mean",
         "async/weight_version",

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from honing.config import Config
+from honing.data.solve_rates import is_solved
 from honing.pipeline.components import Components
 from honing.rewards.shaping import overlong_penalty, tool_penalty
 from honing.rollout.base import GenerationRequest
@@ -106,6 +107,7 @@ def score_round(config: Config, parts: Components, generated: Generated, out: Co
     out.engine_metrics |= generated.report[0]
     out.engine_events += generated.report[1]
     out.rounds += 1
+    _observe(parts, rollouts, scores)  # the raw verdicts, before shaping
     _shape(config, rollouts, scores)
     if algo.advantage == "remax":
         out.baselines |= _greedy_baselines(
@@ -133,6 +135,15 @@ def _groups(rollouts: list[Rollout], scores: list[Score]):
     for r, s in zip(rollouts, scores, strict=True):
         by_group.setdefault(r.group_index, []).append((r, s))
     return by_group.values()
+
+
+def _observe(parts: Components, rollouts: list[Rollout], scores: list[Score]) -> None:
+    """Each group's verdicts into its prompt's solve rate (under a skip rule)."""
+    rates = parts.source.solve_rates
+    if rates is None:
+        return
+    for group in _groups(rollouts, scores):
+        rates.observe(group[0][0].prompt_id, [is_solved(s) for _, s in group])
 
 
 def _shape(config: Config, rollouts: list[Rollout], scores: list[Score]) -> None:

@@ -18,6 +18,7 @@ from honing.algorithms.advantage_registry import AdvantageSettings
 from honing.algorithms.kl_control import KLController
 from honing.config import Config
 from honing.data import PromptSource, warmstart_corpus
+from honing.data.solve_rates import SolveRates
 from honing.models.loading import (
     apply_lora,
     check_mergeable,
@@ -231,7 +232,13 @@ def build_components(config: Config, log=print, group=None) -> Components:
         val_prompts=val,
         prompt_ids=prompt_ids,
         rendered=rendered,
-        source=PromptSource(train, rollout.batch_size, seed=t.seed, shuffle=config.data.shuffle),
+        source=PromptSource(
+            train,
+            rollout.batch_size,
+            seed=t.seed,
+            shuffle=config.data.shuffle,
+            solve_rates=solve_rates(config),
+        ),
         update_settings=update_settings(config),
         advantage_settings=advantage_settings(config),
         train_sampling=train_sampling(config),
@@ -244,6 +251,15 @@ def build_components(config: Config, log=print, group=None) -> Components:
         ),
         make_scorer=lambda: build_scorer(config),
     )
+
+
+def solve_rates(config: Config) -> SolveRates | None:
+    """The prompts' solve rates under ``data.skip_solved`` / ``skip_unsolved`` (else None)."""
+    data = config.data
+    if not (data.skip_solved or data.skip_unsolved):
+        return None
+    least = data.solve_rate_min_samples or config.rollout.group_size
+    return SolveRates(data.skip_solved, data.skip_unsolved, least)
 
 
 def trainer_layout(config: Config, group, log=print):

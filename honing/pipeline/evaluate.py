@@ -15,6 +15,7 @@ from pathlib import Path
 
 from honing.checkpoint.manifest import MANIFEST, verify
 from honing.config import Config
+from honing.data.solve_rates import is_solved
 from honing.errors import ConfigError
 from honing.models.loading import (
     check_model_dir,
@@ -69,7 +70,7 @@ def _correct(
             raise scorer.failure(rollouts[failed[0]].prompt_id, reason)
         failures["count"] = failures.get("count", 0) + len(failed)
         failures.setdefault("reason", reason)
-    return [s.details.get("base_score", s.reward) >= 1.0 if s.ok else None for s in scores]
+    return [is_solved(s) for s in scores]
 
 
 def _share(hits: int, known: int) -> float:

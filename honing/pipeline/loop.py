@@ -249,6 +249,8 @@ class TrainLoop:
         if self._heads_due is not None:  # a sharded policy's MTP heads
             stages |= self._train_heads()
         trainers, system = self.parts.trainers, self.config.monitor.system_metrics
+        if self.parts.source.solve_rates is not None:  # what the skip rules passed over
+            stages |= self.parts.source.solve_rates.take_metrics()
         metrics = step_metrics(step, got, stages, started, trainers, system)
         self._record(step, got, metrics)
         return metrics
