@@ -170,6 +170,19 @@ class RewardConfig:
     tool_error_penalty: float = _opt(0.0, ge=0.0)
     tool_call_penalty: float = _opt(0.0, ge=0.0)
     free_tool_calls: int = _opt(1, ge=0)
+    # reward.function=judge (or a route to judge): a generative judge behind an OpenAI-
+    # compatible completions API grades each answer (honing/rewards/judge.py); timeout_s,
+    # retries, request_items, max_concurrency and cache_size apply to it
+    judge_endpoint: str = _opt("", urls=True)  # the judge servers, comma-separated
+    judge_model: str = _opt("")  # the served model to ask ("" = the server's first)
+    # the grading prompt with {question}, {answer}, {reference} ("" = the built-in one)
+    judge_template: str = _opt("")
+    judge_verdict: str = _opt("score", choices=("score", "label"))
+    judge_score_max: float = _opt(1.0, gt=0.0)  # score: the reply's last number / this
+    # label: word -> reward ({} = correct 1, incorrect 0)
+    judge_labels: dict = _opt({}, items=float)
+    judge_max_tokens: int = _opt(64, ge=1)
+    judge_format_score: float = _opt(0.0)  # the reward of a reply the parser cannot read
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ KNOWN = frozenset(
                 "cache_hits",
                 "ejections",
                 "failed_items",
+                "judge_format_errors",
             )
         ),
         *(

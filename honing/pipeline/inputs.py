@@ -96,7 +96,7 @@ def build_scorer(config: Config) -> Scorer:
     from honing.rewards.routing import VerifierSettings, build_builtin, build_router
 
     r = config.reward
-    settings = VerifierSettings(r.workers, r.math_timeout_s, r.code_timeout_s)
+    settings = VerifierSettings(r.workers, r.math_timeout_s, r.code_timeout_s, judge_options(r))
     client = None
     if r.endpoint:
         from honing.rewards.remote import VerifierClient
@@ -118,6 +118,29 @@ def build_scorer(config: Config) -> Scorer:
         format_weight=r.format_weight,
         on_error=r.on_error,
     )
+
+
+def judge_options(reward) -> dict | None:
+    """``JudgeClient``'s options from ``reward.judge_*`` (None without a judge endpoint)."""
+    if not reward.judge_endpoint:
+        return None
+    from honing.rewards.judge import DEFAULT_TEMPLATE
+
+    return {
+        "endpoints": reward.judge_endpoint,
+        "model": reward.judge_model,
+        "template": reward.judge_template or DEFAULT_TEMPLATE,
+        "verdict": reward.judge_verdict,
+        "score_max": reward.judge_score_max,
+        "labels": reward.judge_labels or None,
+        "max_tokens": reward.judge_max_tokens,
+        "format_score": reward.judge_format_score,
+        "timeout_s": reward.timeout_s,
+        "retries": reward.retries,
+        "request_items": reward.request_items,
+        "max_concurrency": reward.max_concurrency,
+        "cache_size": reward.cache_size,
+    }
 
 
 def check_ground_truths(prompts: list[Prompt], scorer: Scorer) -> None:

@@ -16,6 +16,11 @@ from honing.algorithms import (
     POLICY_LOSSES,
     AdvantageSettings,
 )
+from honing.algorithms.rollout_correction import (
+    CorrectionSettings,
+    parse_bounds,
+    parse_rejections,
+)
 from honing.checkpoint.mirror import url_problem
 from honing.config import Config
 from honing.errors import ConfigError
@@ -32,6 +37,7 @@ def check_config(config: Config, world_size: int = 1) -> None:
         _monitor,
         _checkpoint,
         _data,
+        _judge,
         _rollout,
         _schedule,
         _strategy,
@@ -74,6 +80,40 @@ def _algorithm(config: Config) -> None:
             "rollout.group_size: grpo compares samples within a group; with group_size="
             f"{config.rollout.group_size} every advantage is 0. Use group_size >= 2"
         )
+    rollout_correction(config)
+
+
+def rollout_correction(config: Config) -> CorrectionSettings | None:
+    """The rollout correction of ``algorithm.rollout_is*`` / ``rollout_rs*`` (None when
+    neither is set); a key set without effect, a threshold that does not parse, or
+    ``tis_level`` / ``tis_cap`` beside it is a ``ConfigError``."""
+    algo = config.algorithm
+    try:
+        lower, upper = parse_bounds(algo.rollout_is_threshold)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.rollout_is_threshold: {err}") from None
+    if not algo.rollout_is and (algo.rollout_is_batch_normalize or (lower, upper) != (None, 2.0)):
+        raise ConfigError(
+            "algorithm.rollout_is_threshold / rollout_is_batch_normalize have no effect without "
+            "algorithm.rollout_is (token or sequence)"
+        )
+    if bool(algo.rollout_rs) != bool(algo.rollout_rs_threshold):
+        raise ConfigError("algorithm.rollout_rs and rollout_rs_threshold go together: set both")
+    try:
+        rejections = parse_rejections(algo.rollout_rs, algo.rollout_rs_threshold)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.rollout_rs / rollout_rs_threshold: {err}") from None
+    if not (algo.rollout_is or rejections):
+        return None
+    if algo.tis_level in ("token", "sequence") or algo.tis_cap != 2.0:
+        raise ConfigError(
+            "algorithm.tis_level / tis_cap and algorithm.rollout_is / rollout_rs both weigh "
+            "the rollouts: use rollout_is and rollout_is_threshold (tis_level=token, tis_cap=C "
+            "is rollout_is=token, rollout_is_threshold=C)"
+        )
+    return CorrectionSettings(
+        algo.rollout_is, upper, lower, algo.rollout_is_batch_normalize, rejections
+    )
 
 
 def advantage_settings(config: Config) -> AdvantageSettings:
@@ -123,6 +163,26 @@ def _data(config: Config) -> None:
         raise ConfigError("data.val_files is set but data.train_files is empty; set both")
     if not config.model.path:
         raise ConfigError("model.path is empty; give a local model directory or builtin:tiny")
+
+
+def _judge(config: Config) -> None:
+    """A generative judge (``judge`` as the reward function, a route or a weighted part)
+    needs its servers, and ``reward.judge_endpoint`` a reward that asks it; its template
+    must show the judge the answer."""
+    r = config.reward
+    used = "judge" in (r.function, *r.routes.values(), *r.weights)
+    if used and not r.judge_endpoint:
+        raise ConfigError(
+            "reward.function / routes / weights name judge, but reward.judge_endpoint is empty; "
+            "give the judge servers' URLs (an OpenAI-compatible completions API)"
+        )
+    if r.judge_endpoint and not used:
+        raise ConfigError(
+            "reward.judge_endpoint is set but no reward asks the judge; set reward.function=judge "
+            "(or route a data_source to judge)"
+        )
+    if r.judge_template and "{answer}" not in r.judge_template:
+        raise ConfigError("reward.judge_template: no {answer}, so the judge never sees the answer")
 
 
 def _rollout(config: Config) -> None:

@@ -3,7 +3,9 @@
 ``VerifierClient`` is a ``BatchRewardFn``: a batch of items is split into ``POST /score``
 requests of ``request_items`` each (``{"items": [...]}`` → ``{"results": [{"score",
 "details"}]}``, the envelope of ``honing serve``), sent concurrently (at most
-``max_concurrency`` in flight) from an asyncio loop on a background thread.
+``max_concurrency`` in flight) from an asyncio loop on a background thread. Another protocol
+(a generative judge's completions: ``rewards/judge.py``) is a subclass with its own
+``endpoint_url``, ``request_body`` and ``results``; everything below holds for it too.
 
 What keeps scores flowing when a service misbehaves:
 
@@ -81,6 +83,14 @@ class VerifierClient:
     """
 
     name = "verifier-service"
+    counters = (
+        "reward/requests",
+        "reward/errors",
+        "reward/retries",
+        "reward/cache_hits",
+        "reward/ejections",
+        "reward/failed_items",
+    )
 
     def __init__(
         self,
@@ -98,7 +108,7 @@ class VerifierClient:
         backoff_s: float = 0.1,
     ) -> None:
         urls = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-        self.replicas = [_Replica(score_url(url)) for url in urls if url.strip()]
+        self.replicas = [_Replica(self.endpoint_url(url)) for url in urls if url.strip()]
         if not self.replicas:
             raise ValueError("reward.endpoint: no URL given")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -120,9 +130,23 @@ class VerifierClient:
         self.last_latencies_ms: list[float] = []
         self.last_metrics: dict[str, float] = {}
 
+    @staticmethod
+    def endpoint_url(endpoint: str) -> str:
+        """Where a chunk of items is posted, from an endpoint as configured."""
+        return score_url(endpoint)
+
+    def request_body(self, items: list[dict]) -> dict[str, Any]:
+        """The JSON body of one request for ``items``."""
+        return {"items": items}
+
+    def results(self, answer: httpx.Response, items: list[dict], url: str) -> list[Any]:
+        """Per item of a 200 answer: ``{"score", **details}`` or the exception that failed
+        it."""
+        return _parse_results(answer, len(items), url)
+
     def score_batch(self, items: list[dict[str, Any]]) -> list[Any]:
         """One result per item: ``{"score", **details}`` or the exception that failed it."""
-        self.last_latencies_ms, self.last_metrics = [], dict.fromkeys(_COUNTERS, 0.0)
+        self.last_latencies_ms, self.last_metrics = [], dict.fromkeys(self.counters, 0.0)
         keys = [_cache_key(item) for item in items]
         results: list[Any] = [self._cache_get(key) for key in keys]
         self.last_metrics["reward/cache_hits"] = float(sum(r is not None for r in results))
@@ -189,7 +213,7 @@ class VerifierClient:
             attempts += 1
             try:
                 answer = await self._http.post(
-                    replica.url, json={"items": items}, headers=self._headers
+                    replica.url, json=self.request_body(items), headers=self._headers
                 )
             except httpx.HTTPError as exc:
                 last_error = f"{replica.url} unreachable ({type(exc).__name__}: {exc})"
@@ -198,7 +222,7 @@ class VerifierClient:
                 replica.in_flight -= 1
                 self.last_latencies_ms.append((time.perf_counter() - start) * 1000.0)
             if answer is not None and answer.status_code == 200:
-                results = _parse_results(answer, len(items), replica.url)
+                results = self.results(answer, items, replica.url)
                 self._succeeded(replica)
                 return results
             if answer is not None:
@@ -283,14 +307,6 @@ class VerifierClient:
 
 
 _ITEM_KEYS = ("response", "ground_truth", "data_source", "extra_info", "prompt")
-_COUNTERS = (
-    "reward/requests",
-    "reward/errors",
-    "reward/retries",
-    "reward/cache_hits",
-    "reward/ejections",
-    "reward/failed_items",
-)
 
 
 def retry_after_s(value: str | None) -> float | None:

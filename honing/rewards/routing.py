@@ -9,8 +9,9 @@ is an error at load time (``unrouted``), never a silent 0.
 
 Built-in names resolve to batch-capable verifiers sharing one worker budget
 (``reward.workers``): ``math`` (``honing.rewards.math.verifier``), ``code``
-(``honing.rewards.code_verifier``), plus the plain registry functions (``numeric``,
-``format``) and user functions (``module:function``, ``file.py:function``).
+(``honing.rewards.code_verifier``), ``judge`` (a generative judge's client,
+``honing.rewards.judge``), plus the plain registry functions (``numeric``, ``format``) and
+user functions (``module:function``, ``file.py:function``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ DEFAULT_ROUTES: dict[str, str] = {
 
 
 _HEAVY_BUILTINS = ("math", "code")  # worker pools and sandboxes: made on first use
+JUDGE = "judge"  # a generative judge (rewards/judge.py), built from reward.judge_*
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,19 @@ class VerifierSettings:
     workers: int = 0  # processes / sandboxes at once; 0 = one per core
     math_timeout_s: float = 5.0
     code_timeout_s: float = 10.0
+    judge: dict | None = None  # the judge's JudgeClient options (reward.judge_*)
 
 
 def build_builtin(spec: str, settings: VerifierSettings) -> Any:
-    """A reward function for ``spec``: the batch verifiers for ``math``/``code``, else
-    whatever ``load_reward_fn`` resolves."""
+    """A reward function for ``spec``: the batch verifiers for ``math``/``code``, the
+    generative judge's client for ``judge``, else whatever ``load_reward_fn`` resolves."""
     workers = settings.workers or None
+    if spec == "judge":
+        from honing.rewards.judge import JudgeClient
+
+        if not settings.judge:
+            raise RewardError("the judge reward needs reward.judge_endpoint: its servers' URLs")
+        return JudgeClient(**settings.judge)
     if spec == "math":
         from honing.rewards.math.verifier import MathVerifier
 
