@@ -139,7 +139,7 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_run_trains_on_a_served_judge_and_goes_on_when_the_judge_hangs(
-    tmp_path, micro_model_dir, judge
+    tmp_path, micro_model_dir, judge, monkeypatch
 ):
     """A random model served by ``honing serve rollout`` judges 3 steps: its replies are
     mostly not verdicts, scored 0 and counted, and the run trains on. A judge that answers
@@ -162,7 +162,9 @@ def test_a_run_trains_on_a_served_judge_and_goes_on_when_the_judge_hangs(
     errors = sum(m["reward/judge_format_errors"] for m in served)
     generated = sum(m["samples/generated"] for m in served)
     assert 0 < errors <= generated and all(m["samples/score_errors"] == 0 for m in served)
-    _, hung = judge(lambda prompt: "Score: 1", delay=5.0)
+    _, hung = judge(lambda prompt: "Score: 1", delay=2.0)
+    # the final validation's scores fail too: tried again at once, not after 1 s and 2 s
+    monkeypatch.setattr("honing.pipeline.evaluate.RESCORE_WAITS_S", (0.0,))
     values = {
         "reward.judge_endpoint": hung,
         "reward.timeout_s": 0.5,
