@@ -212,6 +212,17 @@ class AlgorithmConfig:
     # version), none under sync
     tis_level: str = _opt("auto", choices=("auto", "none", "token", "sequence"))
     tis_cap: float = _opt(2.0, gt=0.0)
+    # Rollout correction (verl's rollout_corr; docs/algorithms.md): importance weights at
+    # token or sequence level ("" = none; set, tis_level auto means none), truncated at a
+    # float or masked outside "lower_upper" (IcePop); optionally divided by their batch mean
+    rollout_is: str = _opt("", choices=("", "token", "sequence"))
+    rollout_is_threshold: str = _opt("2.0")
+    rollout_is_batch_normalize: bool = _opt(False)
+    # Rejection: comma-separated options (token_k1 .. seq_max_k3), every one must keep a
+    # token; thresholds one each or one for all (k1: "lower_upper" or an upper ratio bound
+    # whose reciprocal is the lower; k2 / k3: an upper bound)
+    rollout_rs: str = _opt("")
+    rollout_rs_threshold: str = _opt("")
     # Mixture-of-experts policies (docs/moe.md). Routing replay: the trainer's forward passes
     # use the experts the rollout engine chose (R3) or its own first pass chose (R2)
     routing_replay: str = _opt("off", choices=("off", "R2", "R3"))

@@ -126,6 +126,35 @@ KNOWN = frozenset(
         "rollout_mismatch/prob_diff_max",
         "rollout_mismatch/logprob_diff_max",
         "rollout_mismatch/kl",
+        # rollout correction (algorithm.rollout_is / rollout_rs): diagnostics, weights, rejection
+        *(
+            f"rollout_corr/{name}"
+            for name in (
+                "kl",
+                "k3_kl",
+                "chi2_token",
+                "chi2_seq",
+                "training_ppl",
+                "rollout_ppl",
+                "training_log_ppl",
+                "rollout_log_ppl",
+                "log_ppl_diff",
+                "log_ppl_abs_diff",
+                "log_ppl_diff_max",
+                "log_ppl_diff_min",
+                "ppl_ratio",
+                "rollout_is_mean",
+                "rollout_is_std",
+                "rollout_is_max",
+                "rollout_is_min",
+                "rollout_is_eff_sample_size",
+                "rollout_is_ratio_fraction_high",
+                "rollout_is_ratio_fraction_low",
+                "rollout_is_batch_norm_factor",
+                "rollout_rs_masked_fraction",
+                "rollout_rs_seq_masked_fraction",
+            )
+        ),
         "mtp/loss",
         "mtp/accuracy",
         "moe/load_violation/max",
@@ -157,6 +186,9 @@ PATTERNS = tuple(
         r"partial/\w+",  # partial rollouts (schedule.partial_rollout)
         r"tool/\w+",  # multi-turn rollouts with tools (rollout.tools)
         r"val/tool_\w+",  # the same while validating
+        # each rejection option's share (algorithm.rollout_rs)
+        r"rollout_corr/rollout_rs_(token|seq_sum|seq_mean)_k[123]_(seq_)?masked_fraction",
+        r"rollout_corr/rollout_rs_seq_max_k[23]_(seq_)?masked_fraction",
     )
 )
 

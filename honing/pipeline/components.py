@@ -37,7 +37,12 @@ from honing.pipeline.inputs import (
     tokenize_prompts,
 )
 from honing.pipeline.rollout_engines import build_rollout_engines, frozen_model, train_sampling
-from honing.pipeline.rules import advantage_settings, check_policy_routing, check_remote_routing
+from honing.pipeline.rules import (
+    advantage_settings,
+    check_policy_routing,
+    check_remote_routing,
+    rollout_correction,
+)
 from honing.rewards import Scorer
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
@@ -138,10 +143,13 @@ def builtin_tiny_model(directory: Path, log=print, spec: TinySpec = TINY) -> Pat
 
 def tis_level(config: Config) -> str:
     """``algorithm.tis_level`` with ``auto`` resolved: token-level truncated importance
-    sampling when rollouts come from an older policy version (one_step / async), else none."""
+    sampling when rollouts come from an older policy version (one_step / async), else none;
+    none under rollout correction (``algorithm.rollout_is`` / ``rollout_rs``), which then
+    says the whole correction."""
     level = config.algorithm.tis_level
     if level == "auto":
-        return "none" if config.schedule.mode == "sync" else "token"
+        sync = config.schedule.mode == "sync"
+        return "none" if sync or rollout_correction(config) is not None else "token"
     return level
 
 
@@ -169,6 +177,7 @@ def update_settings(config: Config) -> UpdateSettings:
         router_z_coef=algo.router_z_coef,
         tis_level=tis_level(config),
         tis_cap=algo.tis_cap,
+        correction=rollout_correction(config),
     )
 
 

@@ -8,7 +8,8 @@ The stage between scoring and the update in docs/design.md's data flow. In order
 3. with ``kl_in_reward``, each token's reward is ``-beta * KL`` and the score sits on the last
    token; the group estimators see the summed token rewards as the score;
 4. advantages by the configured estimator, with its settings passed explicitly;
-5. DAPO's masking of truncated answers, and TIS weights against the engine/trainer gap.
+5. DAPO's masking of truncated answers, and TIS or rollout correction against the
+   engine/trainer gap: weights on the advantages, rejected tokens out of the loss mask.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from honing.algorithms import get_advantage, kl_penalty, masked_mean
 from honing.algorithms.mismatch import mismatch_metrics, truncated_importance_weights
+from honing.algorithms.rollout_correction import correct, correction_metrics
 from honing.config import Config
 from honing.models.loading import is_lora
 from honing.pipeline.components import Components, tis_level
@@ -46,10 +48,15 @@ class Experience:
 
 def weighs_rollouts(config: Config, parts: Components) -> bool:
     """Whether each batch's rollouts are weighed against the policy before the update: for
-    TIS, and whenever the engine samples with weights of its own (another process, vLLM, a
-    copy): the gap between its logprobs and the trainer's is then logged every step
-    (``rollout_mismatch/*``), so a broken weight sync shows in every run's metrics."""
-    return parts.engine.holds is not Holding.SHARED or tis_level(config) != "none"
+    TIS or rollout correction, and whenever the engine samples with weights of its own
+    (another process, vLLM, a copy): the gap between its logprobs and the trainer's is then
+    logged every step (``rollout_mismatch/*``), so a broken weight sync shows in every run's
+    metrics."""
+    return (
+        parts.engine.holds is not Holding.SHARED
+        or tis_level(config) != "none"
+        or parts.update_settings.correction is not None
+    )
 
 
 def needs_old_logprobs(
@@ -57,13 +64,16 @@ def needs_old_logprobs(
 ) -> bool:
     """Whether the trainer runs a pass for the policy's logprobs before the update: for a KL
     reward penalty, for several optimizer steps per batch (each after the first needs the
-    policy as it sampled), and to weigh the rollouts (``weighs_rollouts``) when the policy
-    does not update this step (a critic's warm-up). Otherwise one optimizer step's own
-    forward, before the step, gives those logprobs (``UpdateSettings.gap``)."""
-    algo = config.algorithm
+    policy as it sampled), for a rollout correction that needs the whole batch before the
+    loss (rejection, batch-normalised weights), and to weigh the rollouts
+    (``weighs_rollouts``) when the policy does not update this step (a critic's warm-up).
+    Otherwise one optimizer step's own forward, before the step, gives those logprobs
+    (``UpdateSettings.gap``)."""
+    algo, correction = config.algorithm, parts.update_settings.correction
     return (
         (algo.kl_in_reward and algo.kl_coef > 0)
         or parts.update_settings.optimizer_steps_per_batch(batch_size) > 1
+        or (correction is not None and correction.needs_whole_batch)
         or (weighs_rollouts(config, parts) and not policy_acts)
     )
 
@@ -213,10 +223,32 @@ def make_experience(
                 level=tis_level(config),
                 cap=algo.tis_cap,
             )
+        if (correction := parts.update_settings.correction) is not None:
+            advantages, correction_tally = _corrected(
+                advantages, old_logprobs, behaviour, batch, correction
+            )
+            metrics |= correction_metrics(correction_tally, correction)
     gap_in_update = old_logprobs is None and weighs_rollouts(config, parts)
     return Experience(
         batch, advantages, old_logprobs, ref_logprobs, metrics, old_values, returns, gap_in_update
     )
+
+
+def _corrected(advantages, old_logprobs, behaviour, batch: TrainBatch, correction):
+    """Rollout correction over the whole batch: ``advantages`` times its weights, and the
+    rejected tokens taken out of ``batch.response_mask`` (in place; the critic's loss reads
+    it too). A rejected token then leaves the policy loss and its normaliser: ``token_mean``
+    divides by the kept tokens, as verl's token-mean divides by the response mask's sum after
+    rejection; under the ``seq_mean_*`` modes a wholly rejected response still counts in the
+    number of responses, as a ``mask_truncated`` one does. A rejected sample keeps its place
+    in the advantages already made (group baselines, whitening). Returns the advantages and
+    the correction's tally."""
+    corrected = correct(old_logprobs, behaviour, batch.response_mask, correction)
+    if corrected.weights is not None:
+        advantages = advantages * corrected.weights
+    if corrected.keep is not None:
+        batch.response_mask.mul_(corrected.keep)
+    return advantages, corrected.tally
 
 
 def _advantages(config, parts, scores, token_rewards, batch, rollouts, values, baseline_scores):

@@ -35,7 +35,7 @@ from honing.config import Config
 from honing.config.tree import ModelConfig, RolloutConfig
 from honing.errors import ConfigError
 from honing.models.loading import check_model_dir, load_causal_lm, plain_weight_items
-from honing.pipeline.rules import check_config
+from honing.pipeline.rules import check_config, rollout_correction
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
 from honing.trainer.engine import TrainerEngine
@@ -80,8 +80,8 @@ def _choice(config: Config, world_size: int) -> tuple[str, str]:
 def logprob_pass(config: Config) -> str:
     """What makes the trainer run a logprob pass over each batch an engine with weights of its
     own sampled (``experience.needs_old_logprobs``, from the config alone): several
-    optimizer steps per batch, or the KL in the reward; "" when the update's forward gives
-    the gap."""
+    optimizer steps per batch, the KL in the reward, or a rollout correction that needs the
+    whole batch; "" when the update's forward gives the gap."""
     trainer, algo = config.trainer, config.algorithm
     rows = config.rollout.batch_size * config.rollout.group_size
     mini = trainer.mini_batch_size * config.rollout.group_size or rows
@@ -89,6 +89,8 @@ def logprob_pass(config: Config) -> str:
         return "several optimizer steps per batch (trainer.ppo_epochs, trainer.mini_batch_size)"
     if algo.kl_in_reward and algo.kl_coef > 0:
         return "the KL in the reward (algorithm.kl_in_reward)"
+    if (correction := rollout_correction(config)) is not None and correction.needs_whole_batch:
+        return "rollout correction over the whole batch (algorithm.rollout_rs, batch-normalised)"
     return ""
 
 

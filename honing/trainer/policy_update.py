@@ -18,6 +18,13 @@ import torch
 
 from honing.algorithms import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from honing.algorithms.mismatch import GAP_PEAKS, mismatch_metrics, truncated_importance_weights
+from honing.algorithms.rollout_correction import (
+    CorrectionSettings,
+    correct,
+    correction_metrics,
+    is_peak,
+    is_tally,
+)
 from honing.models.moe import routers_of
 from honing.models.moe_stats import RouterStats, host_sums, moe_metrics, router_z_loss
 from honing.trainer.batch import RouterTap, TrainBatch, response_logprobs
@@ -50,11 +57,14 @@ class UpdateSettings:
     router_z_coef: float = 0.0  # MoE: the router z-loss
     # One optimizer step per batch: the update's forward, before the step, is the policy the
     # rollouts are weighed against. ``gap``: that forward gives the TIS weights (``tis_level``
-    # none | token | sequence, capped at ``tis_cap``) and the rollout_mismatch metrics, in
-    # place of a separate pass for the old logprobs (``old_logprobs`` None).
+    # none | token | sequence, capped at ``tis_cap``), the rollout correction's weights and
+    # diagnostics (``correction``; one that needs the whole batch is the old pass's) and the
+    # rollout_mismatch metrics, in place of a separate pass for the old logprobs
+    # (``old_logprobs`` None).
     gap: bool = False
     tis_level: str = "none"
     tis_cap: float = 2.0
+    correction: CorrectionSettings | None = None
 
     def optimizer_steps_per_batch(self, batch_size: int) -> int:
         per_epoch = -(-batch_size // (self.mini_batch_sequences or batch_size))
@@ -125,7 +135,7 @@ def micro_loss(
     gap = {}
     if settings.gap and old_logprobs is None:  # the engine's logprobs against this forward's
         advantages, gap = _weighed(advantages, old, micro.behaviour_logprobs, mask, settings)
-        gap = {k: v if k in GAP_PEAKS else v * share for k, v in gap.items()}
+        gap = {k: v if k in GAP_PEAKS or is_tally(k) else v * share for k, v in gap.items()}
     loss, metrics = get_policy_loss(settings.policy_loss)(
         logprobs, old, advantages, mask, **policy_loss_options(settings), **norm
     )
@@ -148,15 +158,22 @@ def micro_loss(
 
 
 def _weighed(advantages, old, behaviour, mask, settings: UpdateSettings):
-    """``advantages`` with the TIS weights of ``old`` (this forward's logprobs, detached)
-    against the engine's ``behaviour`` ones, and the gap's metrics (means over this
-    micro-batch's tokens; ``GAP_PEAKS`` its maxima), as a separate old pass would give them."""
+    """``advantages`` with the TIS or rollout correction weights of ``old`` (this forward's
+    logprobs, detached) against the engine's ``behaviour`` ones, and the gap's metrics (means
+    over this micro-batch's tokens; ``GAP_PEAKS`` its maxima) and the correction's tally
+    (sums and peaks, finished over the batch), as a separate old pass would give them."""
+    metrics = mismatch_metrics(old, behaviour, mask)
     if settings.tis_level != "none":
         weights = truncated_importance_weights(
             old, behaviour, mask, level=settings.tis_level, cap=settings.tis_cap
         )
         advantages = advantages * weights
-    return advantages, mismatch_metrics(old, behaviour, mask)
+    if settings.correction is not None:
+        corrected = correct(old, behaviour, mask, settings.correction)
+        if corrected.weights is not None:
+            advantages = advantages * corrected.weights
+        metrics |= corrected.tally
+    return advantages, metrics
 
 
 def _router_losses(model, logits: list[torch.Tensor], settings: UpdateSettings, out, share):
@@ -286,7 +303,7 @@ def update_policy(
             loss.backward()
             activations = max(activations, saved.bytes)
             for name, value in contrib.items():
-                if name in GAP_PEAKS:
+                if name in GAP_PEAKS or is_peak(name):
                     peaks[name] = torch.maximum(peaks[name], value) if name in peaks else value
                 else:
                     totals[name] = totals.get(name, 0) + value
@@ -297,9 +314,14 @@ def update_policy(
         else:
             skipped += 1
     totals = trainer.reduce(totals)
+    tally = {name: totals.pop(name) for name in list(totals) if is_tally(name)}
     metrics = {name: float(value) / optimizer_steps for name, value in totals.items()}
     if settings.gap and old_logprobs is None:  # (every rank alike: each has rows)
-        metrics |= {name: float(value) for name, value in trainer.reduce(peaks, "max").items()}
+        peaks = trainer.reduce(peaks, "max")
+        tally |= {name: value for name, value in peaks.items() if is_tally(name)}
+        metrics |= {name: float(value) for name, value in peaks.items() if name in GAP_PEAKS}
+        if settings.correction is not None:  # sums and counts over every rank's tokens
+            metrics |= correction_metrics(tally, settings.correction)
     metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean()) if grad_norms else math.nan
     metrics["actor/skipped_updates"] = skipped
     metrics |= split_metrics(trainer, own, micros, whole, activations, batch.input_ids.device)

@@ -47,16 +47,25 @@ def _run(tmp_path, name, cfg, monkeypatch):
     return steps, weights, len(calls)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize(
+    "weighing",
+    [
+        {"algorithm.tis_level": "token", "algorithm.tis_cap": 1.2},
+        {"algorithm.tis_level": "sequence", "algorithm.tis_cap": 1.2},
+        {"algorithm.rollout_is": "sequence", "algorithm.rollout_is_threshold": "0.8_1.2"},
+    ],
+    ids=["tis-token", "tis-sequence", "rollout-is-icepop"],
+)
 def test_one_step_weighs_the_rollouts_in_the_updates_forward(
-    tmp_path, digit_reward, monkeypatch, level
+    tmp_path, digit_reward, monkeypatch, weighing
 ):
     """one_step samples step k with version k - 2, so the rollouts' logprobs are the
-    engine's and TIS weighs them. Against today's separate old pass (forced): one forward
-    fewer per step, the same samples, the same gap metrics and the same weights (float
-    rounding: the pass and the update's forward are the same arithmetic on the same rows)."""
+    engine's and TIS (or rollout correction's weights) weighs them. Against today's separate
+    old pass (forced): one forward fewer per step, the same samples, the same gap metrics and
+    the same weights (float rounding: the pass and the update's forward are the same
+    arithmetic on the same rows)."""
     values = {"schedule.mode": "one_step", "trainer.total_steps": STEPS, "trainer.val_every": 0}
-    values |= {"checkpoint.every": STEPS, "algorithm.tis_level": level, "algorithm.tis_cap": 1.2}
+    values |= {"checkpoint.every": STEPS, **weighing}
     cfg = config(digit_reward, **values)
     folded, folded_weights, folded_calls = _run(tmp_path, "folded", cfg, monkeypatch)
     with monkeypatch.context() as patch:
@@ -68,8 +77,12 @@ def test_one_step_weighs_the_rollouts_in_the_updates_forward(
     scores = [m["critic/score/mean"] for m in folded]
     assert scores == [m["critic/score/mean"] for m in separate]  # the same samples
     assert any(m["rollout_mismatch/logprob_diff_max"] > 0.05 for m in folded)  # stale samples
+    corrections = [key for key in folded[-1] if key.startswith("rollout_corr/")]
+    assert bool(corrections) == ("algorithm.rollout_is" in weighing)
+    if corrections:  # IcePop zeroes the weights of some stale samples
+        assert any(m["rollout_corr/rollout_is_min"] == 0 for m in folded)
     for a, b in zip(folded, separate, strict=True):
-        for key in (*GAP, "actor/pg_loss", "actor/pg_clipfrac"):
+        for key in (*GAP, *corrections, "actor/pg_loss", "actor/pg_clipfrac"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     assert folded_weights.keys() == separate_weights.keys()
     for name, want in separate_weights.items():

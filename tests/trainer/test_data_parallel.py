@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from honing.algorithms.rollout_correction import CorrectionSettings
 from honing.models.loading import load_causal_lm, load_tokenizer
 from honing.trainer.batch import collate
 from honing.trainer.engine import TrainedModule
@@ -42,7 +43,7 @@ def _run(model_dir: str, settings: UpdateSettings, group=None):
         batch,
         advantages,
         settings,
-        old_logprobs=old,
+        old_logprobs=None if settings.gap else old,
         ref_logprobs=ref,
         generator=torch.Generator().manual_seed(5),
     )
@@ -61,6 +62,9 @@ def _on_rank(model_dir: str, settings: UpdateSettings) -> dict:
     [
         {"mini_batch_sequences": 0, "micro_batch_size": 64},  # one step, one micro-batch a rank
         {"mini_batch_sequences": 6, "micro_batch_size": 2, "ppo_epochs": 2},  # 4 steps
+        # one step whose forward gives the old logprobs: the rollout correction's metrics are
+        # the sums and counts of both ranks' tokens
+        {"micro_batch_size": 2, "gap": True, "correction": CorrectionSettings("sequence", 1.5)},
     ],
 )
 def test_two_ranks_end_where_one_process_does(micro_model_dir, tmp_path, split):
@@ -83,6 +87,7 @@ def test_two_ranks_end_where_one_process_does(micro_model_dir, tmp_path, split):
         for rank in ranks:
             assert rank["metrics"][key] == pytest.approx(want, rel=1e-4, abs=1e-6), key
     json.dumps(single_metrics)  # plain floats
+    assert ("rollout_corr/chi2_seq" in single_metrics) == bool(settings.correction)
 
 
 def test_a_mini_batch_smaller_than_the_ranks_is_refused(micro_model_dir, monkeypatch):

@@ -314,3 +314,44 @@ def test_the_updates_forward_weighs_the_rollouts_as_an_old_pass_does(
         assert metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
         assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    ("level", "upper", "lower", "micro_batch_size"),
+    [("token", 1.5, None, 5), ("sequence", 2.0, 0.5, 1), ("token", 1.3, 0.8, 12)],
+)
+def test_the_updates_forward_gives_the_rollout_correction_of_an_old_pass(
+    model, level, upper, lower, micro_batch_size
+):
+    """Rollout correction's weights (TIS or IcePop) in the update's own forward: the step
+    and every ``rollout_corr/*`` metric equal the whole batch's, for any micro-batch split
+    (the metrics' sums and counts add up over micro-batches as over ranks)."""
+    from honing.algorithms.rollout_correction import (
+        CorrectionSettings,
+        correct,
+        correction_metrics,
+    )
+
+    batch, advantages, _, ref_logprobs = make_experience(model, RESPONSE_LENGTHS)
+    mask = batch.response_mask
+    with torch.no_grad():
+        old, _ = response_logprobs(model, batch)
+    noise = 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    batch = dataclasses.replace(batch, behaviour_logprobs=(old + noise) * mask)
+    correction = CorrectionSettings(level=level, upper=upper, lower=lower)
+    settings = dataclasses.replace(
+        settings_for("token_mean", micro_batch_size), correction=correction
+    )
+    whole = correct(old, batch.behaviour_logprobs, mask, correction)
+    bounded = (whole.weights == 0) if lower else (whole.weights == upper)
+    assert (bounded & (mask > 0)).any()  # the bounds act on some tokens
+    want, _ = sgd_step(model, (batch, advantages * whole.weights, old, ref_logprobs), settings)
+    got, metrics = sgd_step(
+        model, (batch, advantages, None, ref_logprobs), dataclasses.replace(settings, gap=True)
+    )
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5)
+    expected = correction_metrics(whole.tally, correction)
+    assert "rollout_corr/rollout_is_eff_sample_size" in expected
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
