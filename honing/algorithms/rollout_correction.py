@@ -203,15 +203,16 @@ def correct(
     mean or token count is not the batch's).
     """
     real = mask.bool()
-    zero = torch.zeros_like(old_logprobs)
-    log_ratio = torch.where(real, old_logprobs.detach() - behaviour_logprobs.detach(), zero)
-    tally = _diagnostics(old_logprobs.detach(), behaviour_logprobs.detach(), mask, log_ratio)
+    old, behaviour = old_logprobs.detach(), behaviour_logprobs.detach()
+    log_ratio = torch.where(real, old - behaviour, torch.zeros_like(old))  # [B, T]
+    # the tally in float64: its variances are differences of sums (E[w^2] - E[w]^2)
+    tally = _diagnostics(old.double(), behaviour.double(), mask, log_ratio.double())
     weights = keep = None
     if settings.level:
         weights, raw = importance_weights(
             log_ratio, mask, settings.level, settings.upper, settings.lower
         )
-        tally |= _weight_tally(weights, raw, mask, settings)
+        tally |= _weight_tally(weights.double(), raw.double(), mask, settings)
         if settings.batch_normalize:
             weights, factor = batch_normalized(weights, mask, settings.level)
             tally[f"{PEAK}batch_norm_factor"] = factor  # one value for the whole batch
@@ -285,8 +286,8 @@ def _rejected(keep: Tensor, real: Tensor, name: str) -> dict[str, Tensor]:
     """Rejected response tokens, and responses with one rejected, under ``name``."""
     rejected = real & ~keep  # [B, T]
     return {
-        f"{SUM}{name}rejected": rejected.sum().float(),
-        f"{SUM}{name}seq_rejected": rejected.any(-1).sum().float(),
+        f"{SUM}{name}rejected": rejected.sum().double(),
+        f"{SUM}{name}seq_rejected": rejected.any(-1).sum().double(),
     }
 
 
