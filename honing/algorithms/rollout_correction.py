@@ -129,8 +129,8 @@ def importance_weights(
     log_ratio: Tensor, mask: Tensor, level: str, upper: float, lower: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """(applied, raw) weights, both [B, T] and 0 on padding, from ``log_ratio`` [B, T] (0 on
-    padding): raw ``rho_t`` or ``prod_t rho_t``; applied truncated at ``upper``, or with
-    ``lower`` set to 0 outside ``[lower, upper]``."""
+    padding): raw ``rho_t`` or ``prod_t rho_t``; applied truncated at ``upper``, or, given
+    ``lower``, set to 0 outside ``[lower, upper]``."""
     if level == "token":
         raw = torch.exp(log_ratio.clamp(-SAFE_LOG, SAFE_LOG))  # [B, T]
     elif level == "sequence":
