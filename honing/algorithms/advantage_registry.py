@@ -7,7 +7,7 @@ Its keyword arguments are of two kinds, each named when it is registered:
 - ``settings``: fields of ``AdvantageSettings`` (``algorithm.gamma``, ``algorithm.lam``,
   ``algorithm.norm_adv_by_std``) it reads;
 - ``inputs``: per-batch tensors it takes beyond the scores (``token_rewards``, ``values``,
-  ``baseline_scores``).
+  ``baseline_scores``, ``distill_rewards``).
 
 The registered ``AdvantageEstimator`` is called the same way for every name, with the
 settings passed explicitly, so the trainer never branches on the name::
@@ -35,7 +35,7 @@ from honing.algorithms.registry import lookup, register
 
 EstimatorFn = Callable[..., tuple[Tensor, Tensor]]
 
-INPUTS = ("token_rewards", "values", "baseline_scores")
+INPUTS = ("token_rewards", "values", "baseline_scores", "distill_rewards")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class AdvantageSettings:
     gamma: float = 1.0  # discount per response token (reinforce_plus_plus, gae)
     lam: float = 1.0  # GAE's lambda (gae)
     norm_adv_by_std: bool = True  # divide by the group's std (grpo)
+    distill_score_coef: float = 0.0  # distill: the weight of the scores' GRPO advantage
 
 
 SETTINGS = tuple(f.name for f in fields(AdvantageSettings))
@@ -95,6 +96,7 @@ class AdvantageEstimator:
         token_rewards: Tensor | None = None,
         values: Tensor | None = None,
         baseline_scores: Tensor | None = None,
+        distill_rewards: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The estimator's ``(advantages, returns)``, both ``[N, T]``.
 
@@ -108,6 +110,7 @@ class AdvantageEstimator:
             "token_rewards": token_rewards,
             "values": values,
             "baseline_scores": baseline_scores,
+            "distill_rewards": distill_rewards,
         }
         return self.fn(
             scores,

@@ -10,6 +10,9 @@ per-batch tensors it needs beyond the scores (``token_rewards``, ``values``,
 the same way through ``get_advantage`` (``advantage_registry.py``). Every estimator treats
 its inputs as constants (nothing it returns carries a gradient).
 
+On-policy distillation (``distill``) takes ``distill_rewards``: each response token's
+``log pi_teacher - log pi_student`` of the token the student sampled.
+
 With the KL to the reference in the reward (``algorithm.kl_in_reward``), ``token_rewards``
 holds ``-beta * KL_t`` on every token plus the score on the last: ``reinforce_plus_plus``,
 ``remax`` and ``gae`` take each token's reward-to-go from them; the group estimators compare
@@ -361,3 +364,37 @@ def gae(
         advantages[:, t] = next_advantage
     returns = torch.where(mask, advantages + values, 0.0)  # [N, T]
     return _whiten_tokens(advantages, response_mask), returns
+
+
+@register_advantage("distill", settings=("distill_score_coef",), inputs=("distill_rewards",))
+def distill(
+    scores: Tensor,
+    response_mask: Tensor,
+    group_ids: Tensor,
+    *,
+    distill_rewards: Tensor | None = None,
+    distill_score_coef: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """On-policy distillation: the student's own samples, each token graded by a teacher.
+
+    Token t's reward is ``log pi_teacher(y_t) - log pi_student(y_t)`` of the token the
+    student sampled (``distill_rewards``, already scaled by ``algorithm.distill_coef``): a
+    one-sample estimate of minus the reverse KL at that position, so pushing up its
+    advantage-weighted logprob lowers ``KL(pi_student || pi_teacher)``. Each token's advantage
+    is its own reward, not discounted over later tokens (Agarwal et al., GKD,
+    https://arxiv.org/abs/2306.13649; Thinking Machines' on-policy distillation), plus
+    ``distill_score_coef`` times the scores' GRPO advantage (the verifier's signal mixed in;
+    0: the teacher alone).
+
+    Returns:
+        ``(advantages, returns)``, both ``[N, T]`` and zero on padding (the same values).
+    """
+    _check_batch(scores, response_mask, group_ids)
+    rewards = _required("distill", "distill_rewards", distill_rewards, "the teacher's rewards")
+    _check_shape("distill_rewards", rewards, tuple(response_mask.shape))
+    mask = response_mask.to(_as_float(rewards).dtype)
+    advantages = _as_float(rewards) * mask
+    if distill_score_coef:
+        outcome, _ = grpo(scores, response_mask, group_ids)
+        advantages = advantages + distill_score_coef * outcome
+    return advantages, advantages.clone()

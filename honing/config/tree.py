@@ -207,6 +207,12 @@ class AlgorithmConfig:
     dynamic_sampling: bool = _opt(False)  # DAPO: drop groups whose rewards are all equal
     max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling
     mask_truncated: bool = _opt(False)  # no gradient from responses cut at max_new_tokens
+    # advantage=distill (on-policy distillation): the teacher, a local Hugging Face directory
+    # with the policy's tokenizer, grades each sampled token; its reward is distill_coef x
+    # (log pi_teacher - log pi_student), plus distill_score_coef x the scores' GRPO advantage
+    teacher_path: str = _opt("")
+    distill_coef: float = _opt(1.0, gt=0.0)
+    distill_score_coef: float = _opt(0.0, ge=0.0)
     # Truncated importance sampling against the engine/trainer gap: min(pi_old / mu, tis_cap).
     # auto: token under schedule.mode one_step / async (rollouts sampled by an older
     # version), none under sync

@@ -85,8 +85,10 @@ KNOWN = frozenset(
                 "reload",
                 "engine_idle",
                 "trainer_idle",
+                "teacher",
             )
         ),
+        "distill/reverse_kl",
         "perf/throughput",
         "perf/gen_tokens_per_s",
         "perf/train_tokens_per_s",

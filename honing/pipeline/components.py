@@ -19,6 +19,7 @@ from honing.algorithms.kl_control import KLController
 from honing.config import Config
 from honing.data import PromptSource, warmstart_corpus
 from honing.data.solve_rates import SolveRates
+from honing.errors import ConfigError
 from honing.models.loading import (
     apply_lora,
     check_mergeable,
@@ -105,6 +106,7 @@ class Components:
     skipped_rows: int
     # Another scorer like ``scorer`` (the async producer's scoring threads each need one).
     make_scorer: Callable[[], Scorer] | None = None
+    teacher: torch.nn.Module | None = None  # the frozen teacher (advantage=distill)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -212,6 +214,9 @@ def build_components(config: Config, log=print, group=None) -> Components:
     reference = None
     if config.algorithm.kl_coef > 0 and not m.lora_rank:  # LoRA: the base, adapters off
         reference = trainer.lay_out_alike(frozen_model(model_path, tokenizer, m, device))
+    teacher = None
+    if config.algorithm.teacher_path:  # on-policy distillation's teacher, laid out alike
+        teacher = trainer.lay_out_alike(load_teacher(config, tokenizer, device))
     rendered, prompt_ids = tokenize_prompts(
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
@@ -259,7 +264,34 @@ def build_components(config: Config, log=print, group=None) -> Components:
             config.algorithm.kl_horizon,
         ),
         make_scorer=lambda: build_scorer(config),
+        teacher=teacher,
     )
+
+
+def load_teacher(config: Config, tokenizer, device: torch.device) -> torch.nn.Module:
+    """On-policy distillation's teacher (``algorithm.teacher_path``), frozen.
+
+    Raises:
+        ConfigError: its directory is missing, or its tokenizer is not the policy's (the two
+            models' logprobs must be of the same token ids).
+    """
+    path = Path(config.algorithm.teacher_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"algorithm.teacher_path={path}: no Hugging Face model there (no config.json)"
+        )
+    m = config.model
+    theirs = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+    ours, vocab = tokenizer.get_vocab(), theirs.get_vocab()
+    if ours != vocab:
+        differ = len(set(ours.items()) ^ set(vocab.items()))
+        raise ConfigError(
+            f"algorithm.teacher_path={path}: its tokenizer is not the policy's ({len(vocab)} "
+            f"tokens against {len(ours)}, {differ} entries differ); distillation compares "
+            "the two models' logprobs of the same token ids: use a teacher with the policy's "
+            "tokenizer"
+        )
+    return frozen_model(path, tokenizer, m, device)
 
 
 def solve_rates(config: Config) -> SolveRates | None:

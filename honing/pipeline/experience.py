@@ -2,7 +2,9 @@
 
 The stage between scoring and the update in docs/design.md's data flow. In order:
 1. collate the rollouts ([N, P + R] inputs, [N, R] response tensors);
-2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``) and the pre-update
+2. logprobs without gradient: the frozen reference (when ``kl_coef > 0``), the teacher (on-policy
+   distillation: its logprobs of the sampled tokens minus the student's are the per-token
+   rewards of ``advantage=distill``) and the pre-update
    policy (when several optimizer steps follow, or for a KL reward penalty; for one optimizer
    step the update's own forward gives them, and TIS and the engine/trainer gap with them);
 3. with ``kl_in_reward``, each token's reward is ``-beta * KL`` and the score sits on the last
@@ -96,6 +98,7 @@ class Passes:
     values: bool  # the critic's values (gae)
     old: bool  # the policy's own logprobs before the update
     record_routing: bool = False  # routing replay R2: keep the old pass's experts
+    teacher: bool = False  # the teacher's logprobs (on-policy distillation)
 
 
 def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict:
@@ -110,6 +113,7 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
         )[0]
 
     out: dict = {"ref": None, "values": None, "old": None, "replay": None, "metrics": {}}
+    out["teacher"] = None
     with torch.no_grad(), autocast(update.autocast, parts.device):
         if wanted.reference:
             started = time.perf_counter()
@@ -119,6 +123,10 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
                 with policy.module.disable_adapter():
                     out["ref"] = policy.forward_rows(logprobs_of(policy.module), batch, width)
             out["metrics"]["timing_s/ref"] = time.perf_counter() - started
+        if wanted.teacher:
+            started = time.perf_counter()
+            out["teacher"] = policy.forward_rows(logprobs_of(parts.teacher), batch, width)
+            out["metrics"]["timing_s/teacher"] = time.perf_counter() - started
         critic = parts.trainers.critic
         if wanted.values:
             out["values"] = critic.forward_rows(critic.values, batch, width)
@@ -171,6 +179,7 @@ def make_experience(
         batch.replay = batch.rollout_routing
     wanted = Passes(
         reference=parts.reference is not None or (algo.kl_coef > 0 and is_lora(parts.policy)),
+        teacher=parts.teacher is not None,
         values=parts.trainers.critic is not None,
         old=needs_old_logprobs(config, parts, len(batch), policy_acts),
         record_routing=algo.routing_replay == "R2",
@@ -196,8 +205,21 @@ def make_experience(
         baseline_scores = torch.tensor(
             [baselines.get(r.group_index, 0.0) for r in rollouts], device=parts.device
         ).nan_to_num(0.0)
+    distill_rewards = None
+    if passes["teacher"] is not None:
+        distill_rewards, metrics["distill/reverse_kl"] = teacher_rewards(
+            passes["teacher"], old_logprobs, batch, algo.distill_coef
+        )
     advantages, returns = _advantages(
-        config, parts, scores, token_rewards, batch, rollouts, old_values, baseline_scores
+        config,
+        parts,
+        scores,
+        token_rewards,
+        batch,
+        rollouts,
+        old_values,
+        baseline_scores,
+        distill_rewards,
     )
     adv_mean = advantages.sum() / mask.sum()
     metrics["critic/advantages/mean"] = float(adv_mean)
@@ -251,7 +273,20 @@ def _corrected(advantages, old_logprobs, behaviour, batch: TrainBatch, correctio
     return advantages, corrected.tally
 
 
-def _advantages(config, parts, scores, token_rewards, batch, rollouts, values, baseline_scores):
+def teacher_rewards(teacher, old_logprobs, batch: TrainBatch, coef: float):
+    """On-policy distillation's per-token rewards, ``coef * (log pi_teacher - log
+    pi_student)`` of each sampled token ([N, R], 0 on padding), the student's logprobs being
+    the old pass's when it ran, else the engine's that sampled them; and the batch's mean
+    reverse KL estimate per token (``distill/reverse_kl``)."""
+    student = old_logprobs if old_logprobs is not None else batch.behaviour_logprobs
+    mask = batch.response_mask
+    gap = (teacher - student) * mask
+    return coef * gap, float(-gap.sum() / mask.sum().clamp(min=1))
+
+
+def _advantages(
+    config, parts, scores, token_rewards, batch, rollouts, values, baseline_scores, distill=None
+):
     group_ids = torch.tensor([r.group_index for r in rollouts], device=scores.device)
     advantages, returns = get_advantage(config.algorithm.advantage)(
         scores,
@@ -261,5 +296,6 @@ def _advantages(config, parts, scores, token_rewards, batch, rollouts, values, b
         token_rewards=token_rewards,
         values=values,
         baseline_scores=baseline_scores,
+        distill_rewards=distill,
     )
     return advantages, returns  # [N, R] each

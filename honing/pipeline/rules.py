@@ -37,6 +37,7 @@ def check_config(config: Config, world_size: int = 1) -> None:
         _monitor,
         _checkpoint,
         _data,
+        _distill,
         _judge,
         _rollout,
         _schedule,
@@ -119,7 +120,27 @@ def rollout_correction(config: Config) -> CorrectionSettings | None:
 def advantage_settings(config: Config) -> AdvantageSettings:
     """The advantage estimators' settings from ``config.algorithm``."""
     algo = config.algorithm
-    return AdvantageSettings(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std)
+    return AdvantageSettings(
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std=algo.norm_adv_by_std,
+        distill_score_coef=algo.distill_score_coef,
+    )
+
+
+def _distill(config: Config) -> None:
+    """On-policy distillation needs its teacher, and a teacher a run that distills."""
+    algo = config.algorithm
+    if algo.advantage == "distill" and not algo.teacher_path:
+        raise ConfigError(
+            "algorithm.advantage=distill needs algorithm.teacher_path: a local Hugging Face "
+            "directory of the teacher (with the policy's tokenizer)"
+        )
+    if algo.teacher_path and algo.advantage != "distill":
+        raise ConfigError(
+            f"algorithm.teacher_path is set but algorithm.advantage={algo.advantage}; set "
+            "algorithm.advantage=distill to learn from the teacher, or clear teacher_path"
+        )
 
 
 def _advantage_settings_used(config: Config) -> None:

@@ -15,6 +15,7 @@ from honing.algorithms.advantage_registry import (
     register_advantage,
 )
 from honing.algorithms.advantages import (
+    distill,
     dr_grpo,
     gae,
     grpo,
@@ -360,6 +361,7 @@ def test_gae_token_rewards_and_missing_values():
 REQUIRED_OPTIONS = {
     "remax": lambda n, t: {"baseline_scores": torch.rand(n)},
     "gae": lambda n, t: {"values": torch.rand(n, t, requires_grad=True)},
+    "distill": lambda n, t: {"distill_rewards": torch.rand(n, t, requires_grad=True)},
 }
 
 
@@ -378,7 +380,8 @@ def test_every_estimator_is_finite_zero_on_padding_and_detached(name):
 
 # --- settings and inputs --------------------------------------------------------------------
 
-CHANGED = {"gamma": 0.5, "lam": 0.5, "norm_adv_by_std": False}  # each away from its default
+# each away from its default
+CHANGED = {"gamma": 0.5, "lam": 0.5, "norm_adv_by_std": False, "distill_score_coef": 0.5}
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
@@ -436,3 +439,30 @@ def test_registration_refuses_a_setting_or_input_there_is_not():
     with pytest.raises(ValueError, match="lam, norm_adv_by_std is declared but not an argument"):
         register_advantage("test_bad", settings=("lam",))(grpo)
     assert "test_bad" not in ADVANTAGE_ESTIMATORS
+
+
+# --- on-policy distillation -------------------------------------------------------------------
+
+
+def test_distill_gives_each_token_its_own_reward_plus_the_scores_weighted_grpo_advantage():
+    """By hand: rewards r (log pi_T - log pi_S, scaled) on the response tokens; the group of
+    scores [1, 0] has mean 0.5 and unbiased std sqrt(0.5), so GRPO gives +-0.5 / 0.70711 =
+    +-0.70711 (epsilon 1e-6 aside), weighted 0.5: +-0.35355 on every token of each row."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    rewards = torch.tensor([[0.1, -0.2, 9.0], [0.3, 9.0, 9.0]])  # 9: padding, never counted
+    alone, returns = distill(
+        torch.tensor([1.0, 0.0]), mask, torch.tensor([0, 0]), distill_rewards=rewards
+    )
+    torch.testing.assert_close(alone, torch.tensor([[0.1, -0.2, 0.0], [0.3, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, alone)
+    mixed, _ = distill(
+        torch.tensor([1.0, 0.0]),
+        mask,
+        torch.tensor([0, 0]),
+        distill_rewards=rewards,
+        distill_score_coef=0.5,
+    )
+    expected = torch.tensor([[0.1 + 0.35355, -0.2 + 0.35355, 0.0], [0.3 - 0.35355, 0.0, 0.0]])
+    torch.testing.assert_close(mixed, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="'distill' needs distill_rewards="):
+        distill(torch.zeros(1), torch.ones(1, 3), torch.zeros(1))

@@ -24,6 +24,7 @@ GROUPS = torch.tensor([0, 0, 1, 1])
 OPTIONS = {
     "remax": {"baseline_scores": torch.tensor([0.5, 0.5, 0.5, 0.5])},
     "gae": {"values": torch.zeros(4, 8)},
+    "distill": {"distill_rewards": torch.arange(32.0).view(4, 8) / 32},
 }
 
 
@@ -42,7 +43,8 @@ def test_every_estimator_sees_the_response_without_its_tool_responses(name):
     response with the holes taken out, put back at the sampled tokens; 0 in the holes."""
     options = OPTIONS.get(name, {})
     holes, _ = get_advantage(name)(SCORES, MASK, GROUPS, **options)
-    shut = {k: compact(v) if k == "values" else v for k, v in options.items()}
+    per_token = ("values", "distill_rewards")  # taken out of the holes like the mask
+    shut = {k: compact(v) if k in per_token else v for k, v in options.items()}
     solid, _ = get_advantage(name)(SCORES, compact(MASK), GROUPS, **shut)
     assert (holes[MASK == 0] == 0).all()
     torch.testing.assert_close(compact(holes), solid)
