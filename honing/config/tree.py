@@ -208,9 +208,12 @@ class AlgorithmConfig:
     max_gen_rounds: int = _opt(4, ge=1)  # generation rounds per step under dynamic sampling
     mask_truncated: bool = _opt(False)  # no gradient from responses cut at max_new_tokens
     # advantage=distill (on-policy distillation): the teacher, a local Hugging Face directory
-    # with the policy's tokenizer, grades each sampled token; its reward is distill_coef x
+    # or servers of an OpenAI-compatible API with vLLM's prompt_logprobs (one of the two), with
+    # the policy's tokenizer, grades each sampled token; its reward is distill_coef x
     # (log pi_teacher - log pi_student), plus distill_score_coef x the scores' GRPO advantage
     teacher_path: str = _opt("")
+    teacher_endpoint: str = _opt("", urls=True)  # the teacher's servers, comma-separated
+    teacher_model: str = _opt("")  # teacher_endpoint: the served model ("" = the first)
     distill_coef: float = _opt(1.0, gt=0.0)
     distill_score_coef: float = _opt(0.0, ge=0.0)
     # Truncated importance sampling against the engine/trainer gap: min(pi_old / mu, tis_cap).

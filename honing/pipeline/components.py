@@ -47,6 +47,7 @@ from honing.pipeline.rules import (
 from honing.rewards import Scorer
 from honing.rollout.base import Holding, RolloutEngine, SamplingParams
 from honing.rollout.native.engine import TransformersEngine
+from honing.rollout.remote.teacher import RemoteTeacher
 from honing.trainer.critic import ValueModel
 from honing.trainer.engine import TrainedModule, TrainerEngine, make_layout
 from honing.trainer.layouts import Layout
@@ -106,7 +107,8 @@ class Components:
     skipped_rows: int
     # Another scorer like ``scorer`` (the async producer's scoring threads each need one).
     make_scorer: Callable[[], Scorer] | None = None
-    teacher: torch.nn.Module | None = None  # the frozen teacher (advantage=distill)
+    # on-policy distillation's teacher: frozen, or served (rollout/remote/teacher.py)
+    teacher: torch.nn.Module | RemoteTeacher | None = None
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -217,6 +219,8 @@ def build_components(config: Config, log=print, group=None) -> Components:
     teacher = None
     if config.algorithm.teacher_path:  # on-policy distillation's teacher, laid out alike
         teacher = trainer.lay_out_alike(load_teacher(config, tokenizer, device))
+    elif config.algorithm.teacher_endpoint:  # or served
+        teacher = served_teacher(config, tokenizer, [p.prompt for p in train[:4]])
     rendered, prompt_ids = tokenize_prompts(
         train + val, tokenizer, rollout.max_seq_len, config.data.on_bad_row
     )
@@ -292,6 +296,20 @@ def load_teacher(config: Config, tokenizer, device: torch.device) -> torch.nn.Mo
             "tokenizer"
         )
     return frozen_model(path, tokenizer, m, device)
+
+
+def served_teacher(config: Config, tokenizer, texts: list) -> RemoteTeacher:
+    """On-policy distillation's teacher behind ``algorithm.teacher_endpoint``, its tokenizer
+    checked against the policy's on ``texts`` (a few prompts)."""
+    algo, rollout = config.algorithm, config.rollout
+    teacher = RemoteTeacher(
+        algo.teacher_endpoint,
+        model=algo.teacher_model,
+        timeout_s=rollout.timeout_s,
+        retries=rollout.retries,
+    )
+    teacher.check_tokenizer(tokenizer, [t if isinstance(t, str) else str(t) for t in texts])
+    return teacher
 
 
 def solve_rates(config: Config) -> SolveRates | None:

@@ -179,7 +179,7 @@ def make_experience(
         batch.replay = batch.rollout_routing
     wanted = Passes(
         reference=parts.reference is not None or (algo.kl_coef > 0 and is_lora(parts.policy)),
-        teacher=parts.teacher is not None,
+        teacher=isinstance(parts.teacher, torch.nn.Module),
         values=parts.trainers.critic is not None,
         old=needs_old_logprobs(config, parts, len(batch), policy_acts),
         record_routing=algo.routing_replay == "R2",
@@ -205,10 +205,14 @@ def make_experience(
         baseline_scores = torch.tensor(
             [baselines.get(r.group_index, 0.0) for r in rollouts], device=parts.device
         ).nan_to_num(0.0)
-    distill_rewards = None
-    if passes["teacher"] is not None:
+    distill_rewards, teacher = None, passes["teacher"]
+    if parts.teacher is not None and teacher is None:  # served: asked for the samples
+        started = time.perf_counter()
+        teacher = served_logprobs(parts.teacher, rollouts, batch)
+        metrics["timing_s/teacher"] = time.perf_counter() - started
+    if teacher is not None:
         distill_rewards, metrics["distill/reverse_kl"] = teacher_rewards(
-            passes["teacher"], old_logprobs, batch, algo.distill_coef
+            teacher, old_logprobs, batch, algo.distill_coef
         )
     advantages, returns = _advantages(
         config,
@@ -271,6 +275,15 @@ def _corrected(advantages, old_logprobs, behaviour, batch: TrainBatch, correctio
     if corrected.keep is not None:
         batch.response_mask.mul_(corrected.keep)
     return advantages, corrected.tally
+
+
+def served_logprobs(teacher, rollouts: list[Rollout], batch: TrainBatch) -> torch.Tensor:
+    """A served teacher's logprobs of each sample's response tokens, as the batch's [N, R]."""
+    rows = teacher.response_logprobs([(r.prompt_ids, r.response_ids) for r in rollouts])
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out.to(batch.response_mask.device)
 
 
 def teacher_rewards(teacher, old_logprobs, batch: TrainBatch, coef: float):

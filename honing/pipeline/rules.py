@@ -131,15 +131,17 @@ def advantage_settings(config: Config) -> AdvantageSettings:
 def _distill(config: Config) -> None:
     """On-policy distillation needs its teacher, and a teacher a run that distills."""
     algo = config.algorithm
-    if algo.advantage == "distill" and not algo.teacher_path:
+    given = [key for key in ("teacher_path", "teacher_endpoint") if getattr(algo, key)]
+    if algo.advantage == "distill" and len(given) != 1:
         raise ConfigError(
-            "algorithm.advantage=distill needs algorithm.teacher_path: a local Hugging Face "
-            "directory of the teacher (with the policy's tokenizer)"
+            "algorithm.advantage=distill needs one teacher: algorithm.teacher_path (a local "
+            "Hugging Face directory) or algorithm.teacher_endpoint (servers with vLLM's "
+            f"prompt_logprobs), with the policy's tokenizer; {len(given)} given"
         )
-    if algo.teacher_path and algo.advantage != "distill":
+    if given and algo.advantage != "distill":
         raise ConfigError(
-            f"algorithm.teacher_path is set but algorithm.advantage={algo.advantage}; set "
-            "algorithm.advantage=distill to learn from the teacher, or clear teacher_path"
+            f"algorithm.{given[0]} is set but algorithm.advantage={algo.advantage}; set "
+            f"algorithm.advantage=distill to learn from the teacher, or clear {given[0]}"
         )
 
 

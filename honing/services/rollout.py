@@ -9,7 +9,12 @@ Endpoints:
   ``token_ids`` (as vLLM's ``return_token_ids``), ``logprobs.tokens`` as ``"token_id:N"``
   (as vLLM's ``return_tokens_as_token_ids``), ``logprobs.token_logprobs`` (the sampling
   logprob of each token), ``finish_reason`` (``stop`` | ``length``) and ``text``; choices are
-  ordered prompt by prompt, ``n`` each. The answer also says ``weight_version``.
+  ordered prompt by prompt, ``n`` each. The answer also says ``weight_version``. With
+  ``prompt_logprobs: 0`` (vLLM's extension) each choice also carries its prompt's
+  ``prompt_logprobs``: ``None`` for the first token, then for each token ``{id: {"logprob",
+  "rank", "decoded_token"}}``, the model's own logprob of that token after the ones before it
+  (not scaled by ``temperature``): what a teacher's logprobs of a student's sample are read
+  from.
 - ``POST /update_weights_from_disk`` ``{"model_path": DIR, "version": V}``: loads the
   safetensors weights of a checkpoint or model directory (SGLang's endpoint name and body).
 - ``POST /update_weights?version=V``: a safetensors file as the body (weights sent over HTTP).
@@ -66,6 +71,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics_core import CounterMetricFamily
@@ -153,9 +159,11 @@ class _Served:
         vocab_size = engine.model.get_input_embeddings().num_embeddings
         params = sampling_from_request(body, self.limits, vocab_size)
         rows = prompts_from_request(body, engine.tokenizer, vocab_size, self.limits, params.n)
+        wants_prompt_logprobs = _prompt_logprobs_asked(body)
         requests = [GenerationRequest(str(i), ids, i) for i, ids in enumerate(rows)]
         with self.turn:
             rollouts = engine.generate(requests, params)  # the request was checked above
+            scored = [self._prompt_logprobs(ids) for ids in rows] if wants_prompt_logprobs else None
             version = engine.weight_version
             metrics = engine.take_report()[0]
             for key in self.speculation:
@@ -163,6 +171,9 @@ class _Served:
             self.counters["completions"] += len(rollouts)
         order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].group_index)
         choices = [_choice(index, rollouts[position]) for index, position in enumerate(order)]
+        if scored is not None:  # each choice its prompt's (choices go prompt by prompt)
+            for choice, position in zip(choices, order, strict=True):
+                choice["prompt_logprobs"] = scored[rollouts[position].group_index]
         routed = _routed_experts(rollouts, order, choices)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         prompt_tokens = sum(len(ids) for ids in rows)
@@ -179,6 +190,23 @@ class _Served:
             },
             "weight_version": version,
         }
+
+    def _prompt_logprobs(self, ids: list[int]) -> list[dict | None]:
+        """The model's logprob (and rank) of each token of ``ids`` after those before it, in
+        vLLM's ``prompt_logprobs`` form."""
+        model, tokenizer = self.engine.model, self.engine.tokenizer
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+        logprobs = logits.log_softmax(-1)
+        chosen = torch.tensor(ids[1:], device=device)
+        values = logprobs.gather(-1, chosen[:, None])[:, 0]
+        ranks = (logprobs > values[:, None]).sum(-1) + 1
+        out: list[dict | None] = [None]
+        for token, value, rank in zip(ids[1:], values.tolist(), ranks.tolist(), strict=True):
+            decoded = tokenizer.decode([token])
+            out.append({str(token): {"logprob": value, "rank": rank, "decoded_token": decoded}})
+        return out
 
     def load(self, read, source, version: int, whole: bool = False) -> None:
         """The weights ``read(source)`` gives, checked (``whole``: every weight of the
@@ -234,6 +262,22 @@ class _Served:
             counter = CounterMetricFamily(name, _SPEC_HELP[key], labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+
+
+def _prompt_logprobs_asked(body: dict[str, Any]) -> bool:
+    """Whether ``body`` asks for its prompts' logprobs (``prompt_logprobs: 0``).
+
+    Raises:
+        Refused: another value (top alternatives per prompt token are not served)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return False
+    if isinstance(value, bool) or value != 0:
+        raise Refused(
+            f"prompt_logprobs: {value!r}; this server gives each prompt token's own logprob "
+            "(prompt_logprobs: 0), no top alternatives"
+        )
+    return True
 
 
 def _update_query(request: Request, count: str) -> tuple[str, int]:
