@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from honing.rewards.remote import VerifierClient, VerifierUnavailable
+from honing.rollout.remote.http import base_url, first_model
 
 DEFAULT_TEMPLATE = """You grade an answer to a question against a reference answer.
 
@@ -45,14 +46,6 @@ Reply with one line, "Score: 1" if the answer is correct and "Score: 0" if it is
 DEFAULT_LABELS = {"correct": 1.0, "incorrect": 0.0}
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 VERDICTS = ("score", "label")
-
-
-def base_url(endpoint: str) -> str:
-    """``http://host:port``, ``.../v1`` or ``.../v1/completions`` -> ``http://host:port``."""
-    url = endpoint.strip().rstrip("/")
-    for suffix in ("/completions", "/v1"):
-        url = url.removesuffix(suffix)
-    return url
 
 
 def render(template: str, item: dict[str, Any]) -> str:
@@ -127,7 +120,8 @@ class JudgeClient(VerifierClient):
 
     def score_batch(self, items: list[dict[str, Any]]) -> list[Any]:
         if not self.model:
-            self.model = self._first_model()
+            roots = [base_url(replica.url) for replica in self.replicas]
+            self.model = first_model(roots, "reward.judge_model", self.timeout_s, self._headers)
         return super().score_batch(items)
 
     def request_body(self, items: list[dict]) -> dict[str, Any]:
@@ -160,17 +154,3 @@ class JudgeClient(VerifierClient):
             self.last_metrics["reward/judge_format_errors"] += 1
             return {"score": self.format_score, "judge_format_error": 1, "judge_reply": reply[:200]}
         return {"score": value}
-
-    def _first_model(self) -> str:
-        """The first model the first reachable judge server serves."""
-        reasons = []
-        for replica in self.replicas:
-            url = f"{base_url(replica.url.removesuffix('/v1/completions'))}/v1/models"
-            try:
-                answer = httpx.get(url, timeout=self.timeout_s, headers=self._headers)
-                return str(answer.json()["data"][0]["id"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
-                reasons.append(f"{url}: {type(err).__name__}")
-        raise VerifierUnavailable(
-            f"no judge server named its model ({'; '.join(reasons)}); set reward.judge_model"
-        )

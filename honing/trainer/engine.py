@@ -409,12 +409,15 @@ class TrainedModule:
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this process holds (a shard of
         each, when sharded): what the strategy saves (``memory/model_state_mb``)."""
-        params = list(self.module.parameters())
+        return self._held_bytes(list(self.module.parameters()))
+
+    def _held_bytes(self, params: list[nn.Parameter]) -> int:
+        """Bytes this process holds of ``params``, their gradients and their optimizer state."""
         grads = [p.grad for p in params if p.grad is not None]
         moments = [
             value
-            for state in self.optimizer.state.values()
-            for value in state.values()
+            for p in params
+            for value in self.optimizer.state.get(p, {}).values()
             if torch.is_tensor(value) and value.dim() > 0
         ]
         return local_bytes(params) + local_bytes(grads) + local_bytes(moments)
@@ -427,15 +430,7 @@ class TrainedModule:
         shards = ExpertShards.of(self.module)
         if shards is None:
             return {}
-        params = shards.parameters()
-        grads = [p.grad for p in params if p.grad is not None]
-        moments = [
-            value
-            for p in params
-            for value in self.optimizer.state.get(p, {}).values()
-            if torch.is_tensor(value) and value.dim() > 0
-        ]
-        held = local_bytes(params) + local_bytes(grads) + local_bytes(moments)
+        held = self._held_bytes(shards.parameters())
         return {"memory/expert_state_mb": held / 2**20} | shards.take_metrics()
 
 

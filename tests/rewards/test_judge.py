@@ -4,11 +4,10 @@ and ``honing train`` with a judge served by ``honing serve rollout`` on loopback
 judge that hangs. (Its timeouts, retries, replicas and cache: tests/rewards/test_remote.py
 runs every fault test for it.)"""
 
-import contextlib
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -18,6 +17,7 @@ from honing.errors import ConfigError
 from honing.pipeline.rules import check_config
 from honing.rewards.judge import JudgeClient, base_url, read_label, read_score, render
 from tests.pipeline._configs import BASE, small_run_config
+from tests.rewards.test_remote import _Handler
 from tests.warm import start_service
 
 
@@ -47,8 +47,9 @@ def test_an_endpoint_is_taken_with_or_without_the_api_path():
         assert JudgeClient.endpoint_url(url) == "http://h:1/v1/completions"
 
 
-class _Judge(BaseHTTPRequestHandler):
-    """A judge that replies ``server.reply(prompt)`` to every prompt."""
+class _Judge(_Handler):
+    """A judge that replies ``server.reply(prompt)`` to every prompt (the verifier tests'
+    server's way of answering)."""
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self._send({"object": "list", "data": [{"id": "served-judge"}]})
@@ -59,18 +60,6 @@ class _Judge(BaseHTTPRequestHandler):
         time.sleep(self.server.delay)
         choices = [{"index": i, "text": self.server.reply(p)} for i, p in enumerate(body["prompt"])]
         self._send({"choices": choices})
-
-    def _send(self, answer):
-        payload = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        with contextlib.suppress(OSError):  # the client gave up (a hanging judge's test)
-            self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture

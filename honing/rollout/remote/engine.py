@@ -61,6 +61,7 @@ from honing.rollout.remote.http import (
     EngineUnavailable,
     Retryable,
     WeightsRefused,
+    base_url,
 )
 from honing.rollout.remote.routed_experts import (
     RoutingShape,
@@ -112,7 +113,7 @@ class OpenAIEngine(RolloutEngine):
             raise ValueError("rollout.endpoints is empty; give at least one server URL")
         super().__init__(Holding.REMOTE)
         self.computes_here = False  # the servers generate
-        self.endpoints = [Endpoint(_base_url(url)) for url in endpoints]
+        self.endpoints = [Endpoint(base_url(url)) for url in endpoints]
         self.tokenizer = tokenizer
         self.retries, self.cooldown_s = retries, cooldown_s
         self.stop_ids = stop_ids or {tokenizer.eos_token_id}
@@ -458,11 +459,6 @@ def _counters(text: str) -> dict[str, float]:
             with contextlib.suppress(ValueError):  # a malformed line counts nothing
                 totals[names[name]] += float(value)
     return totals
-
-
-def _base_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _token_id(token: str) -> int:

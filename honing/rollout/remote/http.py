@@ -78,6 +78,31 @@ def request(client: httpx.Client, method: str, endpoint: Endpoint, path: str, **
     return response.json() if response.content else {}  # vLLM's /health answers no body
 
 
+def base_url(endpoint: str) -> str:
+    """A server's root from an endpoint as configured: ``http://host:port``, ``.../v1`` or
+    ``.../v1/completions`` -> ``http://host:port``."""
+    url = endpoint.strip().rstrip("/")
+    for suffix in ("/completions", "/v1"):
+        url = url.removesuffix(suffix)
+    return url
+
+
+def first_model(urls: list[str], key: str, timeout_s: float, headers=None) -> str:
+    """The first model the first answering server of ``urls`` (roots) lists at
+    ``/v1/models``.
+
+    Raises:
+        UserError: none answers with a model; the message names ``key``, where to set it."""
+    reasons = []
+    for url in urls:
+        try:
+            answer = httpx.get(f"{url}/v1/models", timeout=timeout_s, headers=headers)
+            return str(answer.json()["data"][0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
+            reasons.append(f"{url}/v1/models: {type(err).__name__}")
+    raise UserError(f"no server named its model ({'; '.join(reasons)}); set {key}")
+
+
 def _said(response: httpx.Response) -> str:
     """A refusal's message, on one line: the ``error.message`` of the OpenAI-compatible
     error body (vLLM's, SGLang's, honing's), or the body's start."""

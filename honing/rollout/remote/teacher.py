@@ -19,13 +19,7 @@ from typing import Any
 import httpx
 
 from honing.errors import ConfigError, UserError
-
-
-def _base(endpoint: str) -> str:
-    url = endpoint.strip().rstrip("/")
-    for suffix in ("/completions", "/v1"):
-        url = url.removesuffix(suffix)
-    return url
+from honing.rollout.remote.http import base_url, first_model
 
 
 class RemoteTeacher:
@@ -47,7 +41,7 @@ class RemoteTeacher:
         retries: int = 2,
         request_rows: int = 64,
     ) -> None:
-        self.urls = [_base(url) for url in endpoints.split(",") if url.strip()]
+        self.urls = [base_url(url) for url in endpoints.split(",") if url.strip()]
         if not self.urls:
             raise ConfigError("algorithm.teacher_endpoint: no URL given")
         self.model, self.timeout_s, self.retries = model, timeout_s, retries
@@ -75,14 +69,7 @@ class RemoteTeacher:
 
     def _served_model(self) -> str:
         if not self.model:
-            try:
-                answer = self._client.get(self.urls[0] + "/v1/models").json()
-                self.model = str(answer["data"][0]["id"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
-                raise UserError(
-                    f"algorithm.teacher_endpoint: {self.urls[0]}/v1/models named no model "
-                    f"({type(err).__name__}); set algorithm.teacher_model"
-                ) from None
+            self.model = first_model(self.urls, "algorithm.teacher_model", self.timeout_s)
         return self.model
 
     def check_tokenizer(self, tokenizer, texts: Sequence[str]) -> None:
