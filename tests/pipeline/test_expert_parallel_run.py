@@ -27,8 +27,12 @@ R3 = {
     "trainer.micro_batch_size": 1,
     "trainer.packed_forward": False,
 }
+# continuous: the step's losses and the router's entropy, which follow the weights (step 2's
+# differ from one process's by ~1e-5: the entropy by 1.6e-6 under AVX2 kernels)
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "moe/aux_loss", "moe/z_loss")
-STATISTICS = ("moe/rollout_router_match", "moe/load_violation/max", "moe/router_entropy")
+COMPARED += ("moe/router_entropy",)
+# counts of routing decisions, fixed by the replayed plan: equal
+STATISTICS = ("moe/rollout_router_match", "moe/load_violation/max")
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
