@@ -112,8 +112,8 @@ def forward_passes(parts: Components, batch: TrainBatch, wanted: Passes) -> dict
             model, rows, temperature=update.temperature, packed=update.packed, tap=tap
         )[0]
 
-    out: dict = {"ref": None, "values": None, "old": None, "replay": None, "metrics": {}}
-    out["teacher"] = None
+    out: dict = {"ref": None, "teacher": None, "values": None, "old": None, "replay": None}
+    out["metrics"] = {}
     with torch.no_grad(), autocast(update.autocast, parts.device):
         if wanted.reference:
             started = time.perf_counter()
